@@ -1,0 +1,151 @@
+"""Store counters as a plain, picklable, mergeable snapshot.
+
+The vLLM connector surfaces these through KVConnectorStats (workers' snapshots are summed with
+``+``/``merge``); ``kvtier stats`` sums the per-process JSON files the store writes to
+``stats_dir``. Hit figures are honest by construction: ``lookup_chunks`` counts every chunk asked
+about and ``lookup_hit_chunks`` only the leading ones actually found, and a tier's ``hits`` count
+only reads that passed verification.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    get_seconds: float = 0.0
+    get_max_seconds: float = 0.0
+    put_seconds: float = 0.0
+    #: Failures by cause (e.g. ``checksum``, ``timeout``, ``no_space``, ``ConnectionError``).
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def __add__(self, other: TierStats) -> TierStats:
+        return TierStats(
+            hits=self.hits + other.hits,
+            misses=self.misses + other.misses,
+            bytes_read=self.bytes_read + other.bytes_read,
+            puts=self.puts + other.puts,
+            bytes_written=self.bytes_written + other.bytes_written,
+            evictions=self.evictions + other.evictions,
+            get_seconds=self.get_seconds + other.get_seconds,
+            get_max_seconds=max(self.get_max_seconds, other.get_max_seconds),
+            put_seconds=self.put_seconds + other.put_seconds,
+            errors=_add_counts(self.errors, other.errors),
+        )
+
+    @property
+    def mean_get_ms(self) -> float:
+        n = self.hits + self.misses
+        return 1000.0 * self.get_seconds / n if n else 0.0
+
+
+@dataclass
+class StoreStats:
+    """Counters of one TieredStore (or the sum of several)."""
+
+    #: ``lookup_prefix`` calls, chunks asked about, leading chunks found.
+    lookups: int = 0
+    lookup_chunks: int = 0
+    lookup_hit_chunks: int = 0
+    #: ``get`` calls, and those answered with verified data by some tier.
+    gets: int = 0
+    get_hits: int = 0
+    #: ``put`` calls, payload bytes, and background writes dropped because too many were in flight.
+    puts: int = 0
+    put_bytes: int = 0
+    dropped_writes: int = 0
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+
+    def __add__(self, other: StoreStats) -> StoreStats:
+        tiers = {k: TierStats() + v for k, v in self.tiers.items()}
+        for k, v in other.tiers.items():
+            tiers[k] = tiers.get(k, TierStats()) + v
+        return StoreStats(
+            lookups=self.lookups + other.lookups,
+            lookup_chunks=self.lookup_chunks + other.lookup_chunks,
+            lookup_hit_chunks=self.lookup_hit_chunks + other.lookup_hit_chunks,
+            gets=self.gets + other.gets,
+            get_hits=self.get_hits + other.get_hits,
+            puts=self.puts + other.puts,
+            put_bytes=self.put_bytes + other.put_bytes,
+            dropped_writes=self.dropped_writes + other.dropped_writes,
+            tiers=tiers,
+        )
+
+    def merge(self, other: StoreStats) -> StoreStats:
+        """Same as ``self + other`` (returns a new snapshot)."""
+        return self + other
+
+    @property
+    def lookup_hit_rate(self) -> float:
+        return self.lookup_hit_chunks / self.lookup_chunks if self.lookup_chunks else 0.0
+
+    def is_empty(self) -> bool:
+        return self == StoreStats(tiers={k: TierStats() for k in self.tiers})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StoreStats:
+        tiers = {k: TierStats(**v) for k, v in data.get("tiers", {}).items()}
+        top = {k: v for k, v in data.items() if k != "tiers"}
+        return cls(**top, tiers=tiers)
+
+
+def stats_file_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}.json"
+
+
+def write_stats_file(directory: str, stats: StoreStats) -> str:
+    """Write ``stats`` atomically as ``<dir>/<host>-<pid>.json``; return the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, stats_file_name())
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stats-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(stats.to_dict(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def read_stats_dir(directory: str) -> dict[str, StoreStats]:
+    """Every process's last snapshot in ``directory`` by file name (unreadable files skipped)."""
+    out: dict[str, StoreStats] = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                out[name] = StoreStats.from_dict(json.load(f))
+        except (OSError, ValueError, TypeError):
+            continue
+    return out

@@ -1,0 +1,324 @@
+"""TieredStore: longest-prefix lookup across tiers, verified reads with promotion, write-through.
+
+Tiers are ordered fastest first (CPU, disk, S3). ``put`` stores into the CPU tier at once and
+writes the slower tiers in the background (bounded: beyond ``s3_max_inflight_reqs`` writes in
+flight, new ones are dropped and counted rather than queued without limit). ``get`` reads the
+fastest tier holding the chunk, verifies the header and checksum, and copies the blob into the
+faster tiers. Every failure in the data path (I/O error, timeout, corrupt blob, full disk) is a
+miss: counted per tier by cause and logged, never raised into the caller.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TypeVar
+
+from kvtier.config import KvtierConfig
+from kvtier.format import FormatError, pack, unpack
+from kvtier.stats import StoreStats, TierStats, write_stats_file
+from kvtier.tiers.base import Tier, TierError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Chunks asked of the remote tier per parallel round in ``lookup_prefix``: large enough to hide
+#: latency, small enough not to HEAD hundreds of objects past the first miss.
+_LOOKUP_WINDOW = 32
+
+
+def _put_ok(tier: Tier, key: str, blob: bytes) -> bool:
+    tier.put(key, blob)
+    return True
+
+
+class TieredStore:
+    """Chunk store over ordered tiers. Thread-safe."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        fingerprint: str,
+        namespace: str = "default",
+        *,
+        verify_checksums: bool = True,
+        io_threads: int = 16,
+        max_inflight_writes: int = 256,
+        stats_dir: str | None = None,
+        stats_interval: float = 10.0,
+    ) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self.verify_checksums = verify_checksums
+        self._layout = bytes.fromhex(fingerprint)
+        self._prefix = f"{namespace}/{fingerprint}/"
+        self._lock = threading.Lock()
+        self._stats = StoreStats(tiers={t.name: TierStats() for t in self.tiers})
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._writer = ThreadPoolExecutor(
+            max_workers=min(io_threads, 16), thread_name_prefix="kvtier-write"
+        )
+        self._max_inflight = max_inflight_writes
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._closed = False
+        self._stats_dir = stats_dir
+        self._stop = threading.Event()
+        self._stats_thread: threading.Thread | None = None
+        if stats_dir:
+            self._stats_thread = threading.Thread(
+                target=self._stats_loop, args=(stats_interval,), name="kvtier-stats", daemon=True
+            )
+            self._stats_thread.start()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, cfg: KvtierConfig, fingerprint: str) -> TieredStore:
+        """Build the tiers ``cfg`` enables (CPU, disk, S3), fastest first."""
+        tiers: list[Tier] = []
+        if cfg.local_cpu and cfg.cpu_bytes > 0:
+            from kvtier.tiers.cpu import CpuTier
+
+            tiers.append(CpuTier(cfg.cpu_bytes))
+        if cfg.local_disk:
+            from kvtier.tiers.disk import DiskTier
+
+            tiers.append(DiskTier(cfg.local_disk, cfg.disk_bytes))
+        if cfg.remote_url:
+            from kvtier.tiers.s3 import make_s3_tier
+
+            tiers.append(make_s3_tier(cfg))
+        if not tiers:
+            raise ValueError(f"no tier enabled in {cfg.source}")
+        return cls(
+            tiers,
+            fingerprint,
+            cfg.namespace,
+            verify_checksums=cfg.verify_checksums,
+            io_threads=min(cfg.extra_config.s3_max_io_concurrency, 64),
+            max_inflight_writes=cfg.extra_config.s3_max_inflight_reqs,
+            stats_dir=cfg.stats_path,
+            stats_interval=cfg.stats_interval_secs,
+        )
+
+    def key(self, chunk_hash: str) -> str:
+        """The tier key of a chunk: ``<namespace>/<fingerprint>/<hash>``."""
+        return self._prefix + chunk_hash
+
+    # ------------------------------------------------------------------ guarded tier calls
+    def _count_error(self, tier: Tier, cause: str) -> None:
+        with self._lock:
+            errs = self._stats.tiers[tier.name].errors
+            errs[cause] = errs.get(cause, 0) + 1
+
+    def _guard(self, tier: Tier, what: str, key: str, fn: Callable[[], T], default: T) -> T:
+        """Run one tier call; any failure is counted by cause, logged, and returns ``default``."""
+        try:
+            return fn()
+        except TierError as exc:
+            self._count_error(tier, exc.cause)
+            log.warning("kvtier: %s %s on %s failed (%s): %s", what, key, tier.name, exc.cause, exc)
+        except Exception as exc:  # a data-path failure must become a miss, never a crash
+            self._count_error(tier, type(exc).__name__)
+            log.warning("kvtier: %s %s on %s failed: %s", what, key, tier.name, exc, exc_info=True)
+        return default
+
+    # ------------------------------------------------------------------ lookup
+    def _present(self, tier: Tier, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        return self._guard(
+            tier, "lookup", keys[0], partial(tier.contains_many, keys), [False] * len(keys)
+        )
+
+    def lookup_prefix(self, hashes: Sequence[str]) -> int:
+        """Number of leading chunks of ``hashes`` present in some tier (asked now, not cached).
+
+        Local tiers are asked first; the remote (last) tier only for chunks from the first one
+        missing locally, in parallel windows, stopping at the first window with a miss.
+        """
+        keys = [self.key(h) for h in hashes]
+        found = 0
+        local: list[Tier] = self.tiers[:-1] if len(self.tiers) > 1 else self.tiers
+        remote: Tier | None = self.tiers[-1] if len(self.tiers) > 1 else None
+        while found < len(keys):
+            window = keys[found : found + _LOOKUP_WINDOW]
+            present = [False] * len(window)
+            for tier in local:
+                todo = [i for i, p in enumerate(present) if not p]
+                for i, ok in zip(todo, self._present(tier, [window[i] for i in todo]), strict=True):
+                    present[i] = ok
+            first_missing = next((i for i, p in enumerate(present) if not p), len(window))
+            if remote is not None and first_missing < len(window):
+                todo = list(range(first_missing, len(window)))
+                for i, ok in zip(todo, self._present(remote, window[first_missing:]), strict=True):
+                    present[i] = present[i] or ok
+            lead = next((i for i, p in enumerate(present) if not p), len(window))
+            found += lead
+            if lead < len(window):
+                break
+        with self._lock:
+            self._stats.lookups += 1
+            self._stats.lookup_chunks += len(keys)
+            self._stats.lookup_hit_chunks += found
+        return found
+
+    # ------------------------------------------------------------------ read
+    def get(self, chunk_hash: str) -> bytes | None:
+        """The verified payload of a chunk, promoted into faster tiers; ``None`` is a miss."""
+        key = self.key(chunk_hash)
+        chunk = bytes.fromhex(chunk_hash)
+        result: bytes | None = None
+        for level, tier in enumerate(self.tiers):
+            start = time.perf_counter()
+            blob = self._guard(tier, "get", key, partial(tier.get, key), None)
+            elapsed = time.perf_counter() - start
+            payload: bytes | None = None
+            if blob is not None:
+                try:
+                    view, _ = unpack(blob, self._layout, chunk, self.verify_checksums)
+                    payload = bytes(view)
+                except FormatError as exc:
+                    self._count_error(tier, exc.cause)
+                    log.warning(
+                        "kvtier: dropping %s from %s: %s (%s)", key, tier.name, exc, exc.cause
+                    )
+                    self._guard(tier, "delete", key, partial(tier.delete, key), None)
+            with self._lock:
+                ts = self._stats.tiers[tier.name]
+                ts.get_seconds += elapsed
+                ts.get_max_seconds = max(ts.get_max_seconds, elapsed)
+                if payload is None:
+                    ts.misses += 1
+                else:
+                    ts.hits += 1
+                    ts.bytes_read += len(payload)
+            if payload is not None and blob is not None:
+                self._promote(key, blob, level)
+                result = payload
+                break
+        with self._lock:
+            self._stats.gets += 1
+            self._stats.get_hits += result is not None
+        return result
+
+    def get_many(self, hashes: Sequence[str]) -> list[bytes | None]:
+        """``get`` for each hash, in parallel; same order as ``hashes``."""
+        if len(hashes) <= 1:
+            return [self.get(h) for h in hashes]
+        return list(self._io.map(self.get, hashes))
+
+    def _promote(self, key: str, blob: bytes, level: int) -> None:
+        for tier in self.tiers[:level]:
+            if tier.name == "cpu":
+                self._write(tier, key, blob)
+            else:
+                self._write_async(tier, key, blob)
+
+    # ------------------------------------------------------------------ write
+    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None:
+        """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
+        key = self.key(chunk_hash)
+        blob = pack(self._layout, bytes.fromhex(chunk_hash), num_tokens, payload)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.put_bytes += len(payload)
+        for tier in self.tiers:
+            if tier.name == "cpu":
+                self._write(tier, key, blob)
+            else:
+                self._write_async(tier, key, blob)
+
+    def _write(self, tier: Tier, key: str, blob: bytes) -> None:
+        start = time.perf_counter()
+        ok = self._guard(tier, "put", key, partial(_put_ok, tier, key, blob), False)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            ts = self._stats.tiers[tier.name]
+            ts.put_seconds += elapsed
+            if ok:
+                ts.puts += 1
+                ts.bytes_written += len(blob)
+
+    def _write_async(self, tier: Tier, key: str, blob: bytes) -> None:
+        with self._lock:
+            if self._closed or self._inflight >= self._max_inflight:
+                self._stats.dropped_writes += 1
+                errs = self._stats.tiers[tier.name].errors
+                errs["backpressure"] = errs.get("backpressure", 0) + 1
+                return
+            self._inflight += 1
+        try:
+            fut: Future[None] = self._writer.submit(self._write, tier, key, blob)
+        except RuntimeError:  # executor shut down between the check and the submit
+            self._write_done(None)
+            return
+        fut.add_done_callback(self._write_done)
+
+    def _write_done(self, _fut: Future[None] | None) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background writes are done; ``False`` if ``timeout`` passed first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    # ------------------------------------------------------------------ admin
+    def delete(self, chunk_hash: str) -> None:
+        key = self.key(chunk_hash)
+        for tier in self.tiers:
+            self._guard(tier, "delete", key, partial(tier.delete, key), None)
+
+    def stats(self) -> StoreStats:
+        """A snapshot (a copy): mergeable with ``+``, serialisable with ``to_dict``."""
+        with self._lock:
+            snap = copy.deepcopy(self._stats)
+        for tier in self.tiers:
+            snap.tiers[tier.name].evictions = tier.evictions()
+        return snap
+
+    def _stats_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        if not self._stats_dir:
+            return
+        try:
+            write_stats_file(self._stats_dir, self.stats())
+        except OSError as exc:
+            log.warning("kvtier: cannot write stats to %s: %s", self._stats_dir, exc)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish background writes (up to ``timeout``), write the stats file, release tiers."""
+        if self._closed:
+            return
+        if not self.flush(timeout):
+            log.warning("kvtier: closing with background writes still in flight")
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        if self._stats_thread is not None:
+            self._stats_thread.join()
+        self._write_stats()
+        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True)
+        for tier in self.tiers:
+            self._guard(tier, "close", "-", tier.close, None)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

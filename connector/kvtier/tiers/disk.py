@@ -1,0 +1,214 @@
+"""Disk tier: one file per chunk under a directory (the NVMe mount), byte-capped LRU.
+
+* Atomic writes: a temp file in the target directory, then ``rename``. A crash leaves either the
+  old state or the whole new file (torn data after power loss is caught by the checksum).
+* The index (key -> size, LRU order) is rebuilt from the files at start, oldest mtime first, so
+  the cache survives restarts; a hit refreshes the file's mtime to keep that order across runs.
+* A full disk (ENOSPC) evicts the least recently used files and retries once, then skips the
+  write (``TierError('no_space')``); it never raises anything else into the store.
+* ``contains`` stats the file, so files removed behind the tier's back are misses.
+
+Several processes may share one directory (e.g. tensor-parallel ranks write distinct keys);
+each keeps its own index and cap, so the directory can grow to the sum of the caps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvtier.tiers.base import Tier, TierError
+
+_SUFFIX = ".kvt"
+_TMP_SUFFIX = ".tmp"
+
+
+def _touch(target: str | int) -> None:
+    """Set mtime from the fine clock: the kernel's own timestamps are coarse (~4 ms), which
+    would make the LRU order rebuilt at restart arbitrary among recently used files."""
+    now = time.time_ns()
+    os.utime(target, ns=(now, now))
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, root: str, capacity_bytes: int) -> None:
+        self.root = os.path.abspath(root)
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._evictions = 0
+        os.makedirs(self.root, exist_ok=True)
+        self._rebuild_index()
+
+    # ---- paths: <root>/<namespace>/<fingerprint>/<hash[:2]>/<hash>.kvt
+    def _path(self, key: str) -> str:
+        parts = key.split("/")
+        if len(parts) != 3 or not all(parts) or any(p in (".", "..") for p in parts):
+            raise TierError("bad_key", f"malformed key {key!r}")
+        ns, fp, h = parts
+        return os.path.join(self.root, ns, fp, h[:2], h + _SUFFIX)
+
+    def _key(self, path: str) -> str:
+        rel = os.path.relpath(path, self.root).split(os.sep)
+        return f"{rel[0]}/{rel[1]}/{rel[3][: -len(_SUFFIX)]}"
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for fname in files:
+                path = os.path.join(dirpath, fname)
+                if fname.endswith(_TMP_SUFFIX):  # left by a crash mid-write
+                    self._unlink(path)
+                    continue
+                if not fname.endswith(_SUFFIX) or path.count(os.sep) - self.root.count(os.sep) != 4:
+                    continue
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                found.append((st.st_mtime, self._key(path), st.st_size))
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self._used += size
+        with self._lock:  # the cap may have shrunk since the last run
+            victims = self._evict_locked(0)
+        for victim in victims:
+            self._unlink(victim)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def _forget_locked(self, key: str) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._used -= size
+
+    def _evict_locked(self, need: int) -> list[str]:
+        """Drop LRU entries until ``need`` more bytes fit under the cap; return their paths."""
+        victims: list[str] = []
+        while self._index and self._used + need > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            self._evictions += 1
+            victims.append(self._path(key))
+        return victims
+
+    def _evict_bytes_locked(self, nbytes: int) -> list[str]:
+        victims: list[str] = []
+        freed = 0
+        while self._index and freed < nbytes:
+            key, size = self._index.popitem(last=False)
+            self._used -= size
+            self._evictions += 1
+            freed += size
+            victims.append(self._path(key))
+        return victims
+
+    # ---- Tier interface
+    def contains(self, key: str) -> bool:
+        if os.path.exists(self._path(key)):
+            return True
+        with self._lock:
+            self._forget_locked(key)
+        return False
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget_locked(key)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by another process sharing the directory
+                self._index[key] = len(blob)
+                self._used += len(blob)
+        # evicted meanwhile or read-only: the LRU order is only a hint
+        with contextlib.suppress(OSError):
+            _touch(path)
+        return blob
+
+    def put(self, key: str, blob: bytes) -> None:
+        size = len(blob)
+        if size > self.capacity_bytes:
+            raise TierError("too_large", f"{size} bytes exceed the disk tier cap")
+        path = self._path(key)
+        with self._lock:
+            self._forget_locked(key)
+            victims = self._evict_locked(size)
+        for victim in victims:
+            self._unlink(victim)
+        try:
+            self._write_atomic(path, blob)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise TierError("io_error", f"cannot write {path}: {exc}") from exc
+            # The filesystem is fuller than our cap says (other writers): free room and retry once.
+            with self._lock:
+                victims = self._evict_bytes_locked(2 * size)
+            for victim in victims:
+                self._unlink(victim)
+            try:
+                self._write_atomic(path, blob)
+            except OSError as exc2:
+                raise TierError("no_space", f"cannot write {path}: {exc2.strerror}") from exc2
+        with self._lock:
+            self._forget_locked(key)
+            self._index[key] = size
+            self._used += size
+
+    def _write_atomic(self, path: str, blob: bytes) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(blob)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                _touch(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._lock:
+            self._forget_locked(key)
+        self._unlink(path)
+
+    def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        with self._lock:
+            snapshot = [(k, s) for k, s in self._index.items() if k.startswith(prefix)]
+        return iter(snapshot)
+
+    def evictions(self) -> int:
+        return self._evictions

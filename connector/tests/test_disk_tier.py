@@ -1,0 +1,100 @@
+"""Disk tier: LRU under a byte cap, restart-safe index, atomic writes, full filesystem."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers.base import TierError
+from kvtier.tiers.disk import DiskTier
+
+KEY = "default/" + "a" * 32 + "/{:032x}"
+
+
+def test_lru_cap_and_restart(tmp_path: Path) -> None:
+    tier = DiskTier(str(tmp_path), 3000)
+    for i in range(3):
+        tier.put(KEY.format(i), bytes([i]) * 1000)
+    assert tier.get(KEY.format(0)) == b"\0" * 1000  # 0 becomes most recent
+    tier.put(KEY.format(3), b"3" * 1000)  # evicts 1
+    assert not tier.contains(KEY.format(1))
+    assert tier.used_bytes == 3000 and tier.evictions() == 1
+    files = sorted(p.name for p in tmp_path.rglob("*.kvt"))
+    assert len(files) == 3
+    # restart: the index comes back from the files, in LRU order (0 was touched after 2)
+    again = DiskTier(str(tmp_path), 3000)
+    assert len(again) == 3 and again.used_bytes == 3000
+    again.put(KEY.format(4), b"4" * 1000)
+    assert not again.contains(KEY.format(2))
+    assert again.contains(KEY.format(0))
+    # restart with a smaller cap trims at once
+    small = DiskTier(str(tmp_path), 1000)
+    assert len(small) == 1 and len(list(tmp_path.rglob("*.kvt"))) == 1
+
+
+def test_leftover_temp_files_are_removed_and_deletes_seen(tmp_path: Path) -> None:
+    tier = DiskTier(str(tmp_path), 10_000)
+    tier.put(KEY.format(1), b"x" * 10)
+    path = Path(tier._path(KEY.format(1)))
+    tmp = path.with_name(path.name + ".123.456.tmp")
+    tmp.write_bytes(b"partial")
+    DiskTier(str(tmp_path), 10_000)
+    assert not tmp.exists()
+    path.unlink()  # deleted behind the tier's back: a miss, not a stale hit
+    assert not tier.contains(KEY.format(1))
+    assert tier.get(KEY.format(1)) is None
+    assert tier.used_bytes == 0
+    with pytest.raises(TierError):
+        tier.put("../../etc/passwd", b"x")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs, mounted for the test and removed after it."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_filesystem_evicts_or_skips_never_raises_unexpected(small_fs: Path) -> None:
+    # the cap (16 MiB) is larger than the filesystem (4 MiB): ENOSPC must be handled
+    tier = DiskTier(str(small_fs), 16 << 20)
+    blob = os.urandom(700 * 1024)
+    stored = 0
+    for i in range(20):
+        try:
+            tier.put(KEY.format(i), blob)
+            stored += 1
+        except TierError as exc:  # the store counts this cause; nothing else may escape
+            assert exc.cause == "no_space"
+    assert stored >= 15  # room was made by evicting the oldest chunks
+    assert tier.get(KEY.format(19)) == blob
+    assert not list(small_fs.rglob("*.tmp"))
+    st = os.statvfs(small_fs)
+    assert tier.used_bytes <= st.f_blocks * st.f_frsize
+    # an external writer fills the disk: the tier still stores by evicting its own files
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+    tier.put(KEY.format(99), blob)
+    assert tier.get(KEY.format(99)) == blob
+    # a blob larger than the free space even after evicting everything: skipped, clear cause
+    tier2 = DiskTier(str(small_fs / "other"), 64 << 20)
+    with pytest.raises(TierError) as err:
+        tier2.put(KEY.format(1), os.urandom(8 << 20))
+    assert err.value.cause == "no_space"
+    assert not list(small_fs.rglob("*.tmp"))

@@ -1,0 +1,178 @@
+"""TieredStore over real CPU and disk tiers: prefix lookup, promotion, verification, stats."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from _helpers import FINGERPRINT, chunks
+
+from kvtier.config import load_config
+from kvtier.format import HEADER_SIZE
+from kvtier.stats import StoreStats, read_stats_dir
+from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+
+
+def _store(tmp_path: Path, cpu: int = 64 << 20, **kw: object) -> TieredStore:
+    return TieredStore(
+        [CpuTier(cpu), DiskTier(str(tmp_path / "disk"), 256 << 20)],
+        FINGERPRINT,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_put_get_lookup_and_promotion(tmp_path: Path) -> None:
+    data = chunks(6)
+    with _store(tmp_path) as store:
+        for h, p in data[:4]:
+            store.put(h, p, 256)
+        assert store.flush(10)
+        hashes = [h for h, _ in data]
+        assert store.lookup_prefix(hashes) == 4
+        assert store.lookup_prefix(hashes[1:]) == 3
+        assert store.get(data[0][0]) == data[0][1]
+        assert store.get(data[5][0]) is None
+        # drop the CPU copy: the disk tier answers, and the chunk is promoted back to CPU
+        store.tiers[0].delete(store.key(data[1][0]))
+        assert store.get(data[1][0]) == data[1][1]
+        assert store.tiers[0].contains(store.key(data[1][0]))
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data[:4]] + [None, None]
+        st = store.stats()
+    assert st.lookups == 2 and st.lookup_chunks == 11 and st.lookup_hit_chunks == 7
+    assert st.tiers["disk"].hits == 1
+    assert st.tiers["disk"].puts == 4
+    assert st.get_hits == 6 and st.gets == 9
+
+
+def test_restart_serves_from_disk(tmp_path: Path) -> None:
+    data = chunks(3)
+    with _store(tmp_path) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+    with _store(tmp_path) as store:  # a new process: empty CPU tier, disk index rebuilt
+        assert store.lookup_prefix([h for h, _ in data]) == 3
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data]
+        assert store.stats().tiers["disk"].hits == 3
+
+
+def test_corrupt_chunk_is_a_counted_miss_and_removed(tmp_path: Path) -> None:
+    data = chunks(2)
+    with _store(tmp_path) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+    disk = DiskTier(str(tmp_path / "disk"), 256 << 20)
+    path = disk._path(f"default/{FINGERPRINT}/{data[0][0]}")
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + 100)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with _store(tmp_path) as store:
+        assert store.get(data[0][0]) is None
+        assert store.get(data[1][0]) == data[1][1]
+        st = store.stats()
+    assert st.tiers["disk"].errors == {"checksum": 1}
+    assert not os.path.exists(path)
+
+
+def test_checksum_switch_is_test_only_negative_control(tmp_path: Path) -> None:
+    h, p = chunks(1)[0]
+    with _store(tmp_path, verify_checksums=False) as store:
+        store.put(h, p, 256)
+        blob = bytearray(store.tiers[0].get(store.key(h)) or b"")
+        blob[HEADER_SIZE] ^= 0xFF
+        store.tiers[0].put(store.key(h), bytes(blob))
+        got = store.get(h)
+    assert got is not None and got != p  # without verification corrupted KV would be served
+
+
+def test_other_layout_or_namespace_is_never_read(tmp_path: Path) -> None:
+    h, p = chunks(1)[0]
+    disk_dir = str(tmp_path / "disk")
+    with TieredStore([DiskTier(disk_dir, 1 << 30)], FINGERPRINT) as store:
+        store.put(h, p, 256)
+    other_fp = "f" * 32
+    with TieredStore([DiskTier(disk_dir, 1 << 30)], other_fp) as store:
+        assert store.lookup_prefix([h]) == 0 and store.get(h) is None
+    with TieredStore([DiskTier(disk_dir, 1 << 30)], FINGERPRINT, namespace="tenant2") as store:
+        assert store.get(h) is None
+    # a blob copied under another layout's key is rejected by its header
+    src = DiskTier(disk_dir, 1 << 30)
+    blob = src.get(f"default/{FINGERPRINT}/{h}")
+    assert blob is not None
+    src.put(f"default/{other_fp}/{h}", blob)
+    with TieredStore([DiskTier(disk_dir, 1 << 30)], other_fp) as store:
+        assert store.get(h) is None
+        assert store.stats().tiers["disk"].errors == {"layout_mismatch": 1}
+
+
+def test_broken_tier_is_a_miss_not_a_crash(tmp_path: Path) -> None:
+    data = chunks(2)
+    store = _store(tmp_path, cpu=1)  # CPU too small: everything goes to disk only
+    disk_root = tmp_path / "disk"
+    shutil.rmtree(disk_root)
+    disk_root.write_text("not a directory")  # every disk operation now fails with an OSError
+    for h, p in data:
+        store.put(h, p, 256)
+    assert store.flush(10)
+    assert store.lookup_prefix([h for h, _ in data]) == 0
+    assert store.get(data[0][0]) is None
+    st = store.stats()
+    store.close()
+    assert st.tiers["cpu"].errors == {"too_large": 2}
+    assert sum(st.tiers["disk"].errors.values()) >= 3, st.tiers["disk"].errors
+
+
+def test_stats_merge_pickle_and_file(tmp_path: Path) -> None:
+    cfg = load_config(
+        {
+            "local_disk": str(tmp_path / "disk"),
+            "max_local_disk_size": 0.1,
+            "max_local_cpu_size": 0.01,
+        }
+    )
+    data = chunks(2)
+    store = TieredStore.from_config(cfg, FINGERPRINT)
+    for h, p in data:
+        store.put(h, p, 256)
+    store.flush(10)
+    store.get(data[0][0])
+    a = store.stats()
+    store.close()
+    b = pickle.loads(pickle.dumps(a))
+    total = a + b
+    assert total.puts == 4 and total.tiers["cpu"].hits == 2
+    assert StoreStats.from_dict(total.to_dict()) == total
+    assert a.merge(StoreStats()) == a
+    files = read_stats_dir(cfg.stats_path or "")
+    assert len(files) == 1 and next(iter(files.values())) == a
+
+
+def test_background_writes_are_bounded(tmp_path: Path) -> None:
+    data = chunks(50, size=4096)
+    with _store(tmp_path, max_inflight_writes=1, io_threads=1) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+        assert store.flush(10)
+        st = store.stats()
+    assert st.dropped_writes + st.tiers["disk"].puts == 50
+    assert st.tiers["disk"].errors.get("backpressure", 0) == st.dropped_writes
+
+
+@pytest.mark.parametrize("n", [0, 1, 40, 70])
+def test_lookup_windows(tmp_path: Path, n: int) -> None:
+    data = chunks(70, size=128)
+    disk = DiskTier(str(tmp_path / "disk"), 1 << 30)
+    with TieredStore([CpuTier(1 << 20), disk], FINGERPRINT) as store:
+        for h, p in data[:n]:
+            store.put(h, p, 256)
+        store.flush(10)
+        # only on disk for the second half: lookup must combine tiers
+        for h, _ in data[n // 2 : n]:
+            store.tiers[0].delete(store.key(h))
+        assert store.lookup_prefix([h for h, _ in data]) == n
