@@ -64,7 +64,7 @@ class TieredStore:
         self._stats = StoreStats(tiers={t.name: TierStats() for t in self.tiers})
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._writer = ThreadPoolExecutor(
-            max_workers=min(io_threads, 16), thread_name_prefix="kvtier-write"
+            max_workers=io_threads, thread_name_prefix="kvtier-write"
         )
         self._max_inflight = max_inflight_writes
         self._inflight = 0

@@ -37,7 +37,9 @@ def make_s3_tier(cfg: KvtierConfig) -> Tier:
         # docs/benchmarks.md: see kvtier bench store; boto3 is the measured default.
         choice = "boto3"
     if choice == "crt":
-        raise ConfigError(f"key 's3_client' in {cfg.source}: 'crt' is not available yet; use boto3")
+        from kvtier.tiers.s3_crt import CrtS3Tier
+
+        return CrtS3Tier.from_config(cfg)
     return Boto3S3Tier.from_config(cfg)
 
 
@@ -143,10 +145,13 @@ class Boto3S3Tier(Tier):
                 return False
             raise TierError(error_cause(exc), f"S3 HEAD s3://{self.bucket}/{okey}: {exc}") from exc
 
-    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+    def _pool_map(self, fn: Callable[[str], bool], keys: Sequence[str]) -> list[bool]:
         if len(keys) <= 1:
-            return [self.contains(k) for k in keys]
-        return list(self._pool.map(self.contains, keys))
+            return [fn(k) for k in keys]
+        return list(self._pool.map(fn, keys))
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._pool_map(self.contains, keys)
 
     def get(self, key: str) -> bytes | None:
         okey = self.object_key(key)
