@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvtier.config import ConfigError, KvtierConfig, load_config
-from kvtier.format import HEADER_SIZE, pack
+from kvtier.format import HEADER_SIZE, pack, read_header
 from kvtier.stats import StoreStats, read_stats_dir
 from kvtier.tiers.base import Tier, TierError
 
@@ -270,8 +270,9 @@ class Doctor:
             head = client.get_object(
                 Bucket=cfg.s3_bucket, Key=obj["Key"], Range=f"bytes=0-{HEADER_SIZE - 1}"
             )["Body"].read()
-            if head[:4] == b"KVTC":
-                tokens[int.from_bytes(head[38:42], "little")] += 1
+            header = read_header(head)
+            if header is not None:
+                tokens[header.num_tokens] += 1
         if not tokens:
             self.add("chunk size", True, f"no chunks stored yet under {prefix}")
             return

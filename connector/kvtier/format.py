@@ -22,6 +22,7 @@ never dominates a disk or memory read.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import xxhash
 
@@ -39,6 +40,27 @@ class FormatError(ValueError):
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class Header(NamedTuple):
+    magic: bytes
+    version: int
+    algo: int
+    layout: bytes
+    chunk: bytes
+    num_tokens: int
+    length: int
+    checksum: int
+
+
+def read_header(blob: bytes | memoryview) -> Header | None:
+    """The header fields of a stored blob (e.g. its first 64 bytes), or None if not kvtier's."""
+    if len(blob) < HEADER_SIZE:
+        return None
+    magic, version, algo, _, layout, chunk, tokens, length, want = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        return None
+    return Header(magic, version, algo, layout, chunk, tokens, length, want)
 
 
 def checksum(payload: bytes | memoryview) -> int:

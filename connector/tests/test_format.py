@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvtier.format import HEADER_SIZE, FormatError, pack, unpack
+from kvtier.format import HEADER_SIZE, FormatError, pack, read_header, unpack
 
 LAYOUT = bytes(range(16))
 CHUNK = bytes(range(16, 32))
@@ -42,3 +42,11 @@ def test_rejections() -> None:
     # the test-only switch skips only the checksum
     view, _ = unpack(bytes(flipped), LAYOUT, CHUNK, verify=False)
     assert len(view) == 1000
+
+
+def test_read_header() -> None:
+    blob = pack(LAYOUT, CHUNK, 77, b"abc")
+    header = read_header(blob[:HEADER_SIZE])
+    assert header is not None
+    assert (header.layout, header.chunk, header.num_tokens, header.length) == (LAYOUT, CHUNK, 77, 3)
+    assert read_header(b"nope" * 20) is None

@@ -1,0 +1,301 @@
+"""kvtier's S3 tier and CLI against the real Ceph RGW brought up by the project's playbook.
+
+Uses the session fixture ``ceph_s3`` (connector/tests/conftest.py). Fields read from it (as
+attributes or mapping keys): endpoint_url, region, bucket, profile, credentials_file,
+config_file. ``KVTIER_TEST_S3_CONFIG`` (a kvtier YAML with remote_url/endpoint_url/aws_profile,
+with AWS_* file variables in the environment) runs the same tests against any other S3.
+Every test writes under its own random prefix and deletes what it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _helpers import FINGERPRINT, chunks
+
+from kvtier.cli import main as cli_main
+from kvtier.config import KvtierConfig, load_config
+from kvtier.format import HEADER_SIZE
+from kvtier.store import TieredStore
+from kvtier.tiers.s3 import make_boto3_client
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = ["boto3", "crt"]
+
+
+@dataclass
+class S3Env:
+    endpoint_url: str
+    region: str
+    bucket: str
+    profile: str
+    root: Path  # per-test scratch dir
+
+    def write_config(self, prefix: str, **extra: Any) -> Path:
+        values: dict[str, Any] = {
+            "chunk_size": 256,
+            "local_cpu": False,
+            "remote_url": f"s3://{self.bucket}/{prefix}",
+            "endpoint_url": self.endpoint_url,
+            "aws_profile": self.profile,
+            "blocking_timeout_secs": 5,
+            "extra_config": {"s3_region": self.region},
+        }
+        values.update(extra)
+        import yaml
+
+        path = self.root / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+@pytest.fixture
+def s3(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[S3Env, str]]:
+    """(environment, a fresh prefix); the prefix is emptied afterwards."""
+    override = os.environ.get("KVTIER_TEST_S3_CONFIG")
+    if override:
+        cfg = load_config(override)
+        endpoint = cfg.endpoint_url or make_boto3_client(cfg).meta.endpoint_url
+        env = S3Env(
+            endpoint,
+            cfg.extra_config.s3_region,
+            cfg.s3_bucket or "",
+            cfg.aws_profile or "default",
+            tmp_path,
+        )
+    else:
+        fx = request.getfixturevalue("ceph_s3")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(_field(fx, "credentials_file")))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(_field(fx, "config_file")))
+        env = S3Env(
+            _field(fx, "endpoint_url"),
+            _field(fx, "region"),
+            _field(fx, "bucket"),
+            _field(fx, "profile"),
+            tmp_path,
+        )
+    prefix = f"kvtier-test/{uuid.uuid4().hex[:10]}"
+    yield env, prefix
+    cfg = load_config(env.write_config(prefix))
+    client = make_boto3_client(cfg)
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=env.bucket, Prefix=prefix + "/"
+    ):
+        objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objs:
+            client.delete_objects(Bucket=env.bucket, Delete={"Objects": objs, "Quiet": True})
+
+
+def _objects(cfg: KvtierConfig) -> dict[str, int]:
+    client = make_boto3_client(cfg)
+    out: dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=cfg.s3_bucket, Prefix=cfg.s3_prefix + "/"
+    ):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return out
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_chunks_survive_a_restart_through_s3(s3: tuple[S3Env, str], client: str) -> None:
+    env, prefix = s3
+    cfg = load_config(env.write_config(prefix, s3_client=client))
+    data = chunks(5, size=700 * 1024)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+        assert store.flush(30)
+    objs = _objects(cfg)
+    assert len(objs) == 5
+    assert all(size == 700 * 1024 + HEADER_SIZE for size in objs.values())
+    # a new process: nothing local, everything from the bucket, byte for byte
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        hashes = [h for h, _ in data]
+        assert store.lookup_prefix(hashes) == 5
+        assert store.lookup_prefix([*hashes[:2], "0" * 32, *hashes[2:]]) == 2
+        assert store.get_many(hashes) == [p for _, p in data]
+        st = store.stats()
+    assert st.tiers["s3"].hits == 5 and st.tiers["s3"].errors == {}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_objects_deleted_behind_its_back_are_misses(s3: tuple[S3Env, str], client: str) -> None:
+    env, prefix = s3
+    cfg = load_config(env.write_config(prefix, s3_client=client))
+    data = chunks(3)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+        store.flush(30)
+        hashes = [h for h, _ in data]
+        assert store.lookup_prefix(hashes) == 3
+        raw = make_boto3_client(cfg)
+        raw.delete_object(Bucket=cfg.s3_bucket, Key=f"{cfg.s3_prefix}/{store.key(hashes[1])}")
+        assert store.lookup_prefix(hashes) == 1  # no stale "exists" answer
+        assert store.get(hashes[1]) is None
+        assert store.get(hashes[2]) == data[2][1]
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_corrupted_object_is_a_miss_and_removed(s3: tuple[S3Env, str], client: str) -> None:
+    env, prefix = s3
+    cfg = load_config(env.write_config(prefix, s3_client=client))
+    ((h, p),) = chunks(1)
+    raw = make_boto3_client(cfg)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        store.put(h, p, 256)
+        store.flush(30)
+        key = f"{cfg.s3_prefix}/{store.key(h)}"
+        blob = bytearray(raw.get_object(Bucket=cfg.s3_bucket, Key=key)["Body"].read())
+        blob[HEADER_SIZE + 10] ^= 0x40
+        raw.put_object(Bucket=cfg.s3_bucket, Key=key, Body=bytes(blob))
+        assert store.get(h) is None
+        assert store.stats().tiers["s3"].errors == {"checksum": 1}
+    assert _objects(cfg) == {}
+
+
+def test_promotion_from_s3_into_disk_and_cpu(s3: tuple[S3Env, str], tmp_path: Path) -> None:
+    env, prefix = s3
+    path = env.write_config(
+        prefix,
+        local_cpu=True,
+        max_local_cpu_size=0.1,
+        local_disk=str(tmp_path / "disk"),
+        max_local_disk_size=0.1,
+    )
+    cfg = load_config(path)
+    data = chunks(3)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+    for f in (tmp_path / "disk").rglob("*.kvt"):  # lose the local copies
+        f.unlink()
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data]
+        assert store.flush(30)
+        st = store.stats()
+        assert st.tiers["s3"].hits == 3 and st.tiers["disk"].puts == 3
+        assert store.get(data[0][0]) == data[0][1]
+        assert store.stats().tiers["cpu"].hits == 1
+    assert len(list((tmp_path / "disk").rglob("*.kvt"))) == 3
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_unreachable_endpoint_is_a_miss_not_an_exception(
+    s3: tuple[S3Env, str], client: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env, prefix = s3
+    path = env.write_config(
+        prefix, s3_client=client, endpoint_url="http://127.0.0.1:9", blocking_timeout_secs=2
+    )
+    cfg = load_config(path)
+    data = chunks(2)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+        assert store.flush(60)
+        assert store.lookup_prefix([h for h, _ in data]) == 0
+        assert store.get(data[0][0]) is None
+        errors = store.stats().tiers["s3"].errors
+    assert errors and set(errors) <= {"connection", "timeout"}, errors
+    assert cli_main(["doctor", "--config", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] endpoint: http://127.0.0.1:9: connection refused" in out
+    assert "fix: start the S3 service" in out
+
+
+def test_doctor_passes_and_diagnoses(
+    s3: tuple[S3Env, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    env, prefix = s3
+    good = env.write_config(prefix)
+    assert cli_main(["doctor", "--config", str(good)]) == 0
+    assert "[ok  ] probe: put/get/delete" in capsys.readouterr().out
+
+    typo = env.write_config(prefix, aws_profile=env.profile + "x")
+    assert cli_main(["doctor", "--config", str(typo)]) == 1
+    out = capsys.readouterr().out
+    assert f"profile '{env.profile}x' not found" in out and f"did you mean '{env.profile}'" in out
+
+    # wrong secret: RGW answers 403; the fix names the profile's keys
+    creds = env.root / "bad-credentials"
+    creds.write_text(f"[{env.profile}]\naws_access_key_id = NOPE\naws_secret_access_key = nope\n")
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"], old = (
+        str(creds),
+        os.environ.get("AWS_SHARED_CREDENTIALS_FILE", ""),
+    )
+    try:
+        assert cli_main(["doctor", "--config", str(good)]) == 1
+    finally:
+        os.environ["AWS_SHARED_CREDENTIALS_FILE"] = old
+    out = capsys.readouterr().out
+    assert "[FAIL] bucket" in out and "(401/403)" in out
+
+    missing = env.write_config(prefix, remote_url=f"s3://kvtier-no-such-bucket/{prefix}")
+    assert cli_main(["doctor", "--config", str(missing)]) == 1
+    assert "create bucket kvtier-no-such-bucket" in capsys.readouterr().out
+
+    # chunks written with 256-token chunks, read with a 128-token config: never a hit
+    cfg = load_config(good)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in chunks(2, size=1024):
+            store.put(h, p, 256)
+    small = env.write_config(prefix, chunk_size=128)
+    assert cli_main(["doctor", "--config", str(small)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] chunk size" in out and "set key 'chunk_size'" in out and "to 256" in out
+
+
+def test_ls_stats_and_purge(
+    s3: tuple[S3Env, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env, prefix = s3
+    path = env.write_config(
+        prefix, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1, namespace="tenant-a"
+    )
+    cfg = load_config(path)
+    with TieredStore.from_config(cfg, FINGERPRINT) as store:
+        for h, p in chunks(4, size=2048):
+            store.put(h, p, 256)
+        store.get(chunks(4, size=2048)[0][0])  # same hashes: seed 0
+    assert cli_main(["ls", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"tenant-a/{FINGERPRINT}\t4 chunks" in out
+    assert out.count("4 chunks") == 4  # disk + s3 totals and per-layout lines
+
+    assert cli_main(["stats", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 process snapshot(s)" in out and "puts 4" in out
+
+    assert cli_main(["purge", "--config", str(path), "--namespace", "other"]) == 0
+    assert "nothing to purge" in capsys.readouterr().out
+    answers = iter(["n"])
+    from kvtier import admin
+
+    args = admin_args(path)
+    assert admin.cmd_purge(args, confirm=lambda _q: next(answers)) == 1
+    assert len(_objects(cfg)) == 4
+    assert cli_main(["purge", "--config", str(path), "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "disk: deleted 4 chunks" in out and "s3: deleted 4 chunks" in out
+    assert _objects(cfg) == {}
+    assert not list((tmp_path / "disk").rglob("*.kvt"))
+
+
+def admin_args(path: Path) -> Any:
+    from kvtier.cli import build_parser
+
+    return build_parser().parse_args(["purge", "--config", str(path)])
