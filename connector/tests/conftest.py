@@ -1,0 +1,149 @@
+"""Session fixture ``ceph_s3``: the local Ceph RGW S3 endpoint, from the project's own playbook.
+
+If the endpoint of the local inventory is not up, the fixture runs
+``ansible-playbook site.yml --tags ceph`` (the same roles users deploy with) and, at the end of
+the session, ``playbooks/teardown.yml`` — it removes only what it started. A cluster that was
+already up is used as it is and left running.
+
+Pytest sessions on one machine coordinate through an advisory lock: the session that deploys
+holds it exclusively while deploying; every session then holds it shared while it uses the
+endpoint; the deploying session tears down only once it gets the lock exclusively again, i.e.
+after every other session is done with the endpoint.
+"""
+
+from __future__ import annotations
+
+import configparser
+import fcntl
+import os
+import pwd
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
+LOCAL_VARS = REPO / "inventories" / "local" / "group_vars" / "all"
+LOCK_FILE = Path("/tmp/kvtier-ceph-s3.lock")
+DEPLOY_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class CephS3:
+    """What a client needs to use the local RGW through haproxy, as the serving user would."""
+
+    endpoint_url: str
+    region: str
+    bucket: str
+    access_key: str
+    secret_key: str
+    profile: str
+    credentials_file: Path
+    config_file: Path
+
+
+def _inventory_vars() -> dict[str, object]:
+    values: dict[str, object] = {}
+    for name in ("kvtier.yml", "ceph.yml"):
+        values.update(yaml.safe_load((LOCAL_VARS / name).read_text()) or {})
+    return values
+
+
+def _endpoint_up(url: str) -> bool:
+    request = urllib.request.Request(url, method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _read_profile(home: Path, profile: str, bucket: str) -> CephS3 | None:
+    """The profile the playbook wrote for the serving user, or None if it is not (all) there."""
+    credentials_file, config_file = home / ".aws" / "credentials", home / ".aws" / "config"
+    credentials, config = configparser.ConfigParser(), configparser.ConfigParser()
+    credentials.read(credentials_file)
+    config.read(config_file)
+    section = f"profile {profile}" if profile != "default" else "default"
+    if not credentials.has_section(profile) or not config.has_section(section):
+        return None
+    return CephS3(
+        endpoint_url=config.get(section, "endpoint_url"),
+        region=config.get(section, "region"),
+        bucket=bucket,
+        access_key=credentials.get(profile, "aws_access_key_id"),
+        secret_key=credentials.get(profile, "aws_secret_access_key"),
+        profile=profile,
+        credentials_file=credentials_file,
+        config_file=config_file,
+    )
+
+
+def _playbook(*args: str) -> None:
+    if not ANSIBLE_PLAYBOOK.exists():
+        pytest.fail(f"{ANSIBLE_PLAYBOOK} is missing: run `make collections` first")
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    try:
+        done = subprocess.run(
+            [str(ANSIBLE_PLAYBOOK), *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=DEPLOY_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"ansible-playbook {' '.join(args)} ran over {DEPLOY_TIMEOUT_S} s: {err}")
+    if done.returncode != 0:
+        pytest.fail(
+            f"ansible-playbook {' '.join(args)} failed (rc={done.returncode}):\n"
+            f"{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+        )
+
+
+def _lock(mode: int) -> IO[str]:
+    handle = LOCK_FILE.open("a")
+    fcntl.flock(handle, mode)
+    return handle
+
+
+@pytest.fixture(scope="session")
+def ceph_s3() -> Iterator[CephS3]:
+    """The local S3 endpoint; deployed by the project's playbook if it is not up."""
+    values = _inventory_vars()
+    port = values["ceph_rgw_frontend_port"]
+    address = values.get("ceph_rgw_frontend_address", "127.0.0.1")
+    profile, bucket = str(values["aws_profile_name"]), str(values["rgw_bucket_name"])
+    user = str(values.get("kvtier_user_name", "kvtier"))
+
+    lock = _lock(fcntl.LOCK_EX)
+    started = False
+    try:
+        try:
+            home = Path(pwd.getpwnam(user).pw_dir)
+            found = _read_profile(home, profile, bucket)
+        except KeyError:
+            found = None
+        if found is None or not _endpoint_up(f"http://{address}:{port}/"):
+            if os.geteuid() != 0:
+                pytest.fail("the local Ceph S3 endpoint is down and deploying it needs root")
+            started = not _endpoint_up(f"http://{address}:{port}/")
+            _playbook("site.yml", "--tags", "ceph")
+            home = Path(pwd.getpwnam(user).pw_dir)
+            found = _read_profile(home, profile, bucket)
+        if found is None:
+            pytest.fail(f"the playbook ran but wrote no AWS profile '{profile}' for user {user}")
+        fcntl.flock(lock, fcntl.LOCK_SH)  # others may use the endpoint alongside us now
+        yield found
+    finally:
+        if started:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # waits for every other session to be done
+            _playbook("playbooks/teardown.yml")
+        lock.close()
