@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvtier.config import ConfigError, KvtierConfig, load_config
-from kvtier.format import HEADER_SIZE, pack, read_header
+from kvtier.format import HEADER_SIZE, pack_header, read_header
 from kvtier.stats import StoreStats, read_stats_dir
 from kvtier.tiers.base import Tier, TierError
 
@@ -232,9 +232,10 @@ class Doctor:
         tier = make_s3_tier(cfg)
         key = f"{cfg.namespace}/.doctor/{os.getpid()}"
         layout, chunk = b"\0" * 16, b"\1" * 16
-        blob = pack(layout, chunk, 1, os.urandom(4096))
+        payload = os.urandom(4096)
+        header = pack_header(layout, chunk, 1, payload)
         try:
-            tier.put(key, blob)
+            tier.put(key, header, payload)
             got = tier.get(key)
             present = tier.contains(key)
             tier.delete(key)
@@ -249,11 +250,12 @@ class Doctor:
             return
         finally:
             tier.close()
-        if got != blob or not present or not gone:
+        equal = got == (header, payload)
+        if not equal or not present or not gone:
             self.add(
                 "probe",
                 False,
-                f"read-back mismatch (equal={got == blob}, present={present}, deleted={gone})",
+                f"read-back mismatch (equal={equal}, present={present}, deleted={gone})",
                 "a proxy or the endpoint alters objects: check key 'endpoint_url'",
             )
             return

@@ -85,25 +85,27 @@ def pack_header(layout: bytes, chunk: bytes, num_tokens: int, payload: bytes | m
 
 
 def pack(layout: bytes, chunk: bytes, num_tokens: int, payload: bytes | memoryview) -> bytes:
-    """Header + payload as one bytes object (the single copy made on the write path)."""
+    """Header + payload as one bytes object (tiers that need one body, e.g. an S3 PUT)."""
     return b"".join((pack_header(layout, chunk, num_tokens, payload), payload))
 
 
-def unpack(
-    blob: bytes | bytearray | memoryview,
+def verify(
+    header: bytes | memoryview,
+    payload: bytes | memoryview,
     layout: bytes,
     chunk: bytes,
-    verify: bool = True,
-) -> tuple[memoryview, int]:
-    """Check a stored blob against the expected layout and chunk; return (payload view, tokens).
+    check_payload: bool = True,
+) -> int:
+    """Check a stored (header, payload) against the expected layout and chunk; return tokens.
 
     Raises :class:`FormatError` with a cause among ``truncated``, ``bad_magic``, ``version``,
     ``layout_mismatch``, ``key_mismatch``, ``checksum``.
     """
-    view = memoryview(blob)
-    if len(view) < HEADER_SIZE:
-        raise FormatError("truncated", f"blob of {len(view)} bytes is shorter than the header")
-    magic, version, algo, _, got_layout, got_chunk, tokens, length, want = _HEADER.unpack_from(view)
+    if len(header) < HEADER_SIZE:
+        raise FormatError("truncated", f"blob of {len(header)} bytes is shorter than the header")
+    magic, version, algo, _, got_layout, got_chunk, tokens, length, want = _HEADER.unpack_from(
+        header
+    )
     if magic != MAGIC:
         raise FormatError("bad_magic", f"not a kvtier chunk (magic {magic!r})")
     if version != FORMAT_VERSION or algo != ALGO_XXH3_64:
@@ -112,9 +114,25 @@ def unpack(
         raise FormatError("layout_mismatch", "chunk was written under another layout")
     if got_chunk != chunk:
         raise FormatError("key_mismatch", "chunk header names another chunk hash")
-    payload = view[HEADER_SIZE:]
     if len(payload) != length:
         raise FormatError("truncated", f"payload is {len(payload)} bytes, header says {length}")
-    if verify and checksum(payload) != want:
+    if check_payload and checksum(payload) != want:
         raise FormatError("checksum", "payload checksum mismatch (corrupted data)")
-    return payload, tokens
+    return int(tokens)
+
+
+def split(blob: bytes | bytearray | memoryview) -> tuple[memoryview, memoryview]:
+    """(header, payload) views of a whole stored blob."""
+    view = memoryview(blob)
+    return view[:HEADER_SIZE], view[HEADER_SIZE:]
+
+
+def unpack(
+    blob: bytes | bytearray | memoryview,
+    layout: bytes,
+    chunk: bytes,
+    verify_payload: bool = True,
+) -> tuple[memoryview, int]:
+    """Check a whole stored blob; return (payload view, tokens). See :func:`verify`."""
+    header, payload = split(blob)
+    return payload, verify(header, payload, layout, chunk, verify_payload)

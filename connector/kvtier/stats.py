@@ -9,6 +9,7 @@ only reads that passed verification.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -114,14 +115,19 @@ class StoreStats:
         return cls(**top, tiers=tiers)
 
 
+_instances = itertools.count()
+
+
 def stats_file_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}.json"
+    """``<host>-<pid>-<n>.json``: unique per store, also when one process holds several (vLLM's
+    scheduler and worker share a process in single-process mode)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{next(_instances)}.json"
 
 
-def write_stats_file(directory: str, stats: StoreStats) -> str:
-    """Write ``stats`` atomically as ``<dir>/<host>-<pid>.json``; return the path."""
+def write_stats_file(path: str, stats: StoreStats) -> str:
+    """Write ``stats`` atomically to ``path`` (creating its directory); return the path."""
+    directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, stats_file_name())
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".stats-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -3,15 +3,18 @@
 Tiers are ordered fastest first (CPU, disk, S3). ``put`` stores into the CPU tier at once and
 writes the slower tiers in the background (bounded: beyond ``s3_max_inflight_reqs`` writes in
 flight, new ones are dropped and counted rather than queued without limit). ``get`` reads the
-fastest tier holding the chunk, verifies the header and checksum, and copies the blob into the
-faster tiers. Every failure in the data path (I/O error, timeout, corrupt blob, full disk) is a
-miss: counted per tier by cause and logged, never raised into the caller.
+fastest tier holding the chunk, verifies the header and checksum, and copies the chunk into the
+faster tiers. Payloads are passed by reference between tiers (bytes are immutable): the CPU tier
+holds the caller's object, and a read returns the payload object the tier produced. Every
+failure in the data path (I/O error, timeout, corrupt blob, full disk) is a miss: counted per
+tier by cause and logged, never raised into the caller.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,9 +23,9 @@ from functools import partial
 from typing import TypeVar
 
 from kvtier.config import KvtierConfig
-from kvtier.format import FormatError, pack, unpack
-from kvtier.stats import StoreStats, TierStats, write_stats_file
-from kvtier.tiers.base import Tier, TierError
+from kvtier.format import FormatError, pack_header, verify
+from kvtier.stats import StoreStats, TierStats, stats_file_name, write_stats_file
+from kvtier.tiers.base import Stored, Tier, TierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,8 +35,8 @@ T = TypeVar("T")
 _LOOKUP_WINDOW = 32
 
 
-def _put_ok(tier: Tier, key: str, blob: bytes) -> bool:
-    tier.put(key, blob)
+def _put_ok(tier: Tier, key: str, item: Stored) -> bool:
+    tier.put(key, item[0], item[1])
     return True
 
 
@@ -63,14 +66,12 @@ class TieredStore:
         self._lock = threading.Lock()
         self._stats = StoreStats(tiers={t.name: TierStats() for t in self.tiers})
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
-        self._writer = ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix="kvtier-write"
-        )
+        self._writer = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-write")
         self._max_inflight = max_inflight_writes
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._stats_dir = stats_dir
+        self._stats_path = os.path.join(stats_dir, stats_file_name()) if stats_dir else None
         self._stop = threading.Event()
         self._stats_thread: threading.Thread | None = None
         if stats_dir:
@@ -179,13 +180,13 @@ class TieredStore:
         result: bytes | None = None
         for level, tier in enumerate(self.tiers):
             start = time.perf_counter()
-            blob = self._guard(tier, "get", key, partial(tier.get, key), None)
+            item = self._guard(tier, "get", key, partial(tier.get, key), None)
             elapsed = time.perf_counter() - start
             payload: bytes | None = None
-            if blob is not None:
+            if item is not None:
                 try:
-                    view, _ = unpack(blob, self._layout, chunk, self.verify_checksums)
-                    payload = bytes(view)
+                    verify(item[0], item[1], self._layout, chunk, self.verify_checksums)
+                    payload = item[1]
                 except FormatError as exc:
                     self._count_error(tier, exc.cause)
                     log.warning(
@@ -201,8 +202,8 @@ class TieredStore:
                 else:
                     ts.hits += 1
                     ts.bytes_read += len(payload)
-            if payload is not None and blob is not None:
-                self._promote(key, blob, level)
+            if payload is not None and item is not None:
+                self._promote(key, item, level)
                 result = payload
                 break
         with self._lock:
@@ -216,39 +217,41 @@ class TieredStore:
             return [self.get(h) for h in hashes]
         return list(self._io.map(self.get, hashes))
 
-    def _promote(self, key: str, blob: bytes, level: int) -> None:
+    def _promote(self, key: str, item: Stored, level: int) -> None:
         for tier in self.tiers[:level]:
             if tier.name == "cpu":
-                self._write(tier, key, blob)
+                self._write(tier, key, item)
             else:
-                self._write_async(tier, key, blob)
+                self._write_async(tier, key, item)
 
     # ------------------------------------------------------------------ write
     def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None:
         """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
         key = self.key(chunk_hash)
-        blob = pack(self._layout, bytes.fromhex(chunk_hash), num_tokens, payload)
+        if not isinstance(payload, bytes):  # a view of a buffer the caller will reuse
+            payload = bytes(payload)
+        item = (pack_header(self._layout, bytes.fromhex(chunk_hash), num_tokens, payload), payload)
         with self._lock:
             self._stats.puts += 1
             self._stats.put_bytes += len(payload)
         for tier in self.tiers:
             if tier.name == "cpu":
-                self._write(tier, key, blob)
+                self._write(tier, key, item)
             else:
-                self._write_async(tier, key, blob)
+                self._write_async(tier, key, item)
 
-    def _write(self, tier: Tier, key: str, blob: bytes) -> None:
+    def _write(self, tier: Tier, key: str, item: Stored) -> None:
         start = time.perf_counter()
-        ok = self._guard(tier, "put", key, partial(_put_ok, tier, key, blob), False)
+        ok = self._guard(tier, "put", key, partial(_put_ok, tier, key, item), False)
         elapsed = time.perf_counter() - start
         with self._lock:
             ts = self._stats.tiers[tier.name]
             ts.put_seconds += elapsed
             if ok:
                 ts.puts += 1
-                ts.bytes_written += len(blob)
+                ts.bytes_written += len(item[0]) + len(item[1])
 
-    def _write_async(self, tier: Tier, key: str, blob: bytes) -> None:
+    def _write_async(self, tier: Tier, key: str, item: Stored) -> None:
         with self._lock:
             if self._closed or self._inflight >= self._max_inflight:
                 self._stats.dropped_writes += 1
@@ -257,7 +260,7 @@ class TieredStore:
                 return
             self._inflight += 1
         try:
-            fut: Future[None] = self._writer.submit(self._write, tier, key, blob)
+            fut: Future[None] = self._writer.submit(self._write, tier, key, item)
         except RuntimeError:  # executor shut down between the check and the submit
             self._write_done(None)
             return
@@ -293,12 +296,12 @@ class TieredStore:
             self._write_stats()
 
     def _write_stats(self) -> None:
-        if not self._stats_dir:
+        if not self._stats_path:
             return
         try:
-            write_stats_file(self._stats_dir, self.stats())
+            write_stats_file(self._stats_path, self.stats())
         except OSError as exc:
-            log.warning("kvtier: cannot write stats to %s: %s", self._stats_dir, exc)
+            log.warning("kvtier: cannot write stats to %s: %s", self._stats_path, exc)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish background writes (up to ``timeout``), write the stats file, release tiers."""

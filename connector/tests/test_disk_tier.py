@@ -15,12 +15,17 @@ from kvtier.tiers.disk import DiskTier
 KEY = "default/" + "a" * 32 + "/{:032x}"
 
 
+def _joined(tier: DiskTier, key: str) -> bytes | None:
+    item = tier.get(key)
+    return None if item is None else item[0] + item[1]
+
+
 def test_lru_cap_and_restart(tmp_path: Path) -> None:
     tier = DiskTier(str(tmp_path), 3000)
     for i in range(3):
-        tier.put(KEY.format(i), bytes([i]) * 1000)
-    assert tier.get(KEY.format(0)) == b"\0" * 1000  # 0 becomes most recent
-    tier.put(KEY.format(3), b"3" * 1000)  # evicts 1
+        tier.put(KEY.format(i), b"", bytes([i]) * 1000)
+    assert _joined(tier, KEY.format(0)) == b"\0" * 1000  # 0 becomes most recent
+    tier.put(KEY.format(3), b"", b"3" * 1000)  # evicts 1
     assert not tier.contains(KEY.format(1))
     assert tier.used_bytes == 3000 and tier.evictions() == 1
     files = sorted(p.name for p in tmp_path.rglob("*.kvt"))
@@ -28,7 +33,7 @@ def test_lru_cap_and_restart(tmp_path: Path) -> None:
     # restart: the index comes back from the files, in LRU order (0 was touched after 2)
     again = DiskTier(str(tmp_path), 3000)
     assert len(again) == 3 and again.used_bytes == 3000
-    again.put(KEY.format(4), b"4" * 1000)
+    again.put(KEY.format(4), b"", b"4" * 1000)
     assert not again.contains(KEY.format(2))
     assert again.contains(KEY.format(0))
     # restart with a smaller cap trims at once
@@ -38,7 +43,7 @@ def test_lru_cap_and_restart(tmp_path: Path) -> None:
 
 def test_leftover_temp_files_are_removed_and_deletes_seen(tmp_path: Path) -> None:
     tier = DiskTier(str(tmp_path), 10_000)
-    tier.put(KEY.format(1), b"x" * 10)
+    tier.put(KEY.format(1), b"", b"x" * 10)
     path = Path(tier._path(KEY.format(1)))
     tmp = path.with_name(path.name + ".123.456.tmp")
     tmp.write_bytes(b"partial")
@@ -49,7 +54,7 @@ def test_leftover_temp_files_are_removed_and_deletes_seen(tmp_path: Path) -> Non
     assert tier.get(KEY.format(1)) is None
     assert tier.used_bytes == 0
     with pytest.raises(TierError):
-        tier.put("../../etc/passwd", b"x")
+        tier.put("../../etc/passwd", b"", b"x")
 
 
 @pytest.fixture
@@ -75,12 +80,12 @@ def test_full_filesystem_evicts_or_skips_never_raises_unexpected(small_fs: Path)
     stored = 0
     for i in range(20):
         try:
-            tier.put(KEY.format(i), blob)
+            tier.put(KEY.format(i), b"", blob)
             stored += 1
         except TierError as exc:  # the store counts this cause; nothing else may escape
             assert exc.cause == "no_space"
     assert stored >= 15  # room was made by evicting the oldest chunks
-    assert tier.get(KEY.format(19)) == blob
+    assert _joined(tier, KEY.format(19)) == blob
     assert not list(small_fs.rglob("*.tmp"))
     st = os.statvfs(small_fs)
     assert tier.used_bytes <= st.f_blocks * st.f_frsize
@@ -90,11 +95,11 @@ def test_full_filesystem_evicts_or_skips_never_raises_unexpected(small_fs: Path)
         while True:
             f.write(b"\0" * 65536)
             f.flush()
-    tier.put(KEY.format(99), blob)
-    assert tier.get(KEY.format(99)) == blob
+    tier.put(KEY.format(99), b"", blob)
+    assert _joined(tier, KEY.format(99)) == blob
     # a blob larger than the free space even after evicting everything: skipped, clear cause
     tier2 = DiskTier(str(small_fs / "other"), 64 << 20)
     with pytest.raises(TierError) as err:
-        tier2.put(KEY.format(1), os.urandom(8 << 20))
+        tier2.put(KEY.format(1), b"", os.urandom(8 << 20))
     assert err.value.cause == "no_space"
     assert not list(small_fs.rglob("*.tmp"))

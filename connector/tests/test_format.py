@@ -40,7 +40,7 @@ def test_rejections() -> None:
     bad_version[4] = 99
     assert _cause(bytes(bad_version)) == "version"
     # the test-only switch skips only the checksum
-    view, _ = unpack(bytes(flipped), LAYOUT, CHUNK, verify=False)
+    view, _ = unpack(bytes(flipped), LAYOUT, CHUNK, verify_payload=False)
     assert len(view) == 1000
 
 

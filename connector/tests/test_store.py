@@ -84,9 +84,11 @@ def test_checksum_switch_is_test_only_negative_control(tmp_path: Path) -> None:
     h, p = chunks(1)[0]
     with _store(tmp_path, verify_checksums=False) as store:
         store.put(h, p, 256)
-        blob = bytearray(store.tiers[0].get(store.key(h)) or b"")
-        blob[HEADER_SIZE] ^= 0xFF
-        store.tiers[0].put(store.key(h), bytes(blob))
+        item = store.tiers[0].get(store.key(h))
+        assert item is not None
+        bad = bytearray(item[1])
+        bad[0] ^= 0xFF
+        store.tiers[0].put(store.key(h), item[0], bytes(bad))
         got = store.get(h)
     assert got is not None and got != p  # without verification corrupted KV would be served
 
@@ -103,9 +105,9 @@ def test_other_layout_or_namespace_is_never_read(tmp_path: Path) -> None:
         assert store.get(h) is None
     # a blob copied under another layout's key is rejected by its header
     src = DiskTier(disk_dir, 1 << 30)
-    blob = src.get(f"default/{FINGERPRINT}/{h}")
-    assert blob is not None
-    src.put(f"default/{other_fp}/{h}", blob)
+    item = src.get(f"default/{FINGERPRINT}/{h}")
+    assert item is not None
+    src.put(f"default/{other_fp}/{h}", *item)
     with TieredStore([DiskTier(disk_dir, 1 << 30)], other_fp) as store:
         assert store.get(h) is None
         assert store.stats().tiers["disk"].errors == {"layout_mismatch": 1}

@@ -1,9 +1,12 @@
 """The one small interface every tier implements.
 
-A tier stores opaque blobs (kvtier's chunk format: header + payload) under string keys of the form
-``<namespace>/<layout fingerprint>/<chunk hash>``. Tiers do not interpret blobs; the store verifies
-them. A tier reports an expected failure by raising :class:`TierError` with a short ``cause``
-(a counter label); the store turns every failure into a miss, counts it and logs it. Tiers never
+A tier stores chunks as (header, payload) under string keys of the form
+``<namespace>/<layout fingerprint>/<chunk hash>``; on the medium they are one blob, header first
+(kvtier.format). Keeping the two apart in memory lets tiers hand back the payload as read, with
+no copy to strip the header. Tiers do not interpret them; the store verifies them.
+
+A tier reports an expected failure by raising :class:`TierError` with a short ``cause`` (a
+counter label); the store turns every failure into a miss, counts it and logs it. Tiers never
 cache existence: ``contains`` asks the medium, so objects deleted behind a tier's back are misses.
 """
 
@@ -11,6 +14,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+
+#: (header, payload) of one stored chunk.
+Stored = tuple[bytes, bytes]
 
 
 class TierError(RuntimeError):
@@ -36,12 +42,17 @@ class Tier(ABC):
         return [self.contains(k) for k in keys]
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The stored blob, or ``None`` when absent."""
+    def get(self, key: str) -> Stored | None:
+        """The stored (header, payload), or ``None`` when absent.
+
+        ``header`` is the blob's first ``HEADER_SIZE`` bytes (fewer if it is short), ``payload``
+        the rest.
+        """
 
     @abstractmethod
-    def put(self, key: str, blob: bytes) -> None:
-        """Store ``blob`` (replacing any previous one); raise :class:`TierError` if skipped."""
+    def put(self, key: str, header: bytes, payload: bytes) -> None:
+        """Store header + payload (replacing any previous blob); raise :class:`TierError` if
+        skipped."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

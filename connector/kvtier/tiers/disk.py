@@ -22,7 +22,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from kvtier.tiers.base import Tier, TierError
+from kvtier.format import HEADER_SIZE
+from kvtier.tiers.base import Stored, Tier, TierError
 
 _SUFFIX = ".kvt"
 _TMP_SUFFIX = ".tmp"
@@ -131,11 +132,12 @@ class DiskTier(Tier):
             self._forget_locked(key)
         return False
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> Stored | None:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
+            with open(path, "rb", buffering=0) as f:
+                header = f.read(HEADER_SIZE)
+                payload = f.read()  # read straight into the bytes returned: no copy
         except FileNotFoundError:
             with self._lock:
                 self._forget_locked(key)
@@ -144,15 +146,15 @@ class DiskTier(Tier):
             if key in self._index:
                 self._index.move_to_end(key)
             else:  # written by another process sharing the directory
-                self._index[key] = len(blob)
-                self._used += len(blob)
+                self._index[key] = len(header) + len(payload)
+                self._used += len(header) + len(payload)
         # evicted meanwhile or read-only: the LRU order is only a hint
         with contextlib.suppress(OSError):
             _touch(path)
-        return blob
+        return header, payload
 
-    def put(self, key: str, blob: bytes) -> None:
-        size = len(blob)
+    def put(self, key: str, header: bytes, payload: bytes) -> None:
+        size = len(header) + len(payload)
         if size > self.capacity_bytes:
             raise TierError("too_large", f"{size} bytes exceed the disk tier cap")
         path = self._path(key)
@@ -162,7 +164,7 @@ class DiskTier(Tier):
         for victim in victims:
             self._unlink(victim)
         try:
-            self._write_atomic(path, blob)
+            self._write_atomic(path, header, payload)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise TierError("io_error", f"cannot write {path}: {exc}") from exc
@@ -172,7 +174,7 @@ class DiskTier(Tier):
             for victim in victims:
                 self._unlink(victim)
             try:
-                self._write_atomic(path, blob)
+                self._write_atomic(path, header, payload)
             except OSError as exc2:
                 raise TierError("no_space", f"cannot write {path}: {exc2.strerror}") from exc2
         with self._lock:
@@ -180,17 +182,19 @@ class DiskTier(Tier):
             self._index[key] = size
             self._used += size
 
-    def _write_atomic(self, path: str, blob: bytes) -> None:
+    def _write_atomic(self, path: str, header: bytes, payload: bytes) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        size = len(header) + len(payload)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                view = memoryview(blob)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+                n = os.writev(fd, [header, payload])
+                if n < size:  # short write (rare, e.g. interrupted): finish it
+                    rest = memoryview(header + payload)[n:]
+                    while rest:
+                        rest = rest[os.write(fd, rest) :]
                 _touch(fd)
             finally:
                 os.close(fd)

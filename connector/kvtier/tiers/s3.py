@@ -24,7 +24,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.tiers.base import Tier, TierError
+from kvtier.format import HEADER_SIZE
+from kvtier.tiers.base import Stored, Tier, TierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,25 +154,28 @@ class Boto3S3Tier(Tier):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._pool_map(self.contains, keys)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> Stored | None:
         okey = self.object_key(key)
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=okey)
             body = resp["Body"]
             try:
-                data: bytes = body.read()
+                # two reads: the payload lands in its own bytes object, no copy to split it
+                header: bytes = body.read(HEADER_SIZE)
+                payload: bytes = body.read()
             finally:
                 body.close()
-            return data
+            return header, payload
         except Exception as exc:
             if self._is_not_found(exc):
                 return None
             raise TierError(error_cause(exc), f"S3 GET s3://{self.bucket}/{okey}: {exc}") from exc
 
-    def put(self, key: str, blob: bytes) -> None:
+    def put(self, key: str, header: bytes, payload: bytes) -> None:
         okey = self.object_key(key)
+        body = header + payload  # one body for signing and retries; writes run in the background
         self._call(
-            "PUT", okey, lambda: self._client.put_object(Bucket=self.bucket, Key=okey, Body=blob)
+            "PUT", okey, lambda: self._client.put_object(Bucket=self.bucket, Key=okey, Body=body)
         )
 
     def delete(self, key: str) -> None:

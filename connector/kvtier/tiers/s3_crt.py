@@ -22,7 +22,8 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.tiers.base import Tier, TierError
+from kvtier.format import HEADER_SIZE
+from kvtier.tiers.base import Stored, Tier, TierError
 from kvtier.tiers.s3 import Boto3S3Tier
 
 
@@ -224,12 +225,14 @@ class CrtS3Tier(Tier):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._admin._pool_map(self.contains, keys)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> Stored | None:
         status, data = self._request("GET", key)
-        return None if status == 404 else data
+        if status == 404 or data is None:
+            return None
+        return data[:HEADER_SIZE], data[HEADER_SIZE:]
 
-    def put(self, key: str, blob: bytes) -> None:
-        self._request("PUT", key, blob)
+    def put(self, key: str, header: bytes, payload: bytes) -> None:
+        self._request("PUT", key, header + payload)
 
     def delete(self, key: str) -> None:
         self._admin.delete(key)
