@@ -61,7 +61,7 @@ partitions:
   type: list
   elements: str
 unscanned_partitions:
-  description: The partition table lists partitions that the kernel does not (C(partx --add) fixes it).
+  description: The table lists partitions the kernel does not (C(partx --add) fixes that).
   type: bool
 mounted_elsewhere:
   description: Mount points of the device or its partitions other than mount_path.
@@ -99,9 +99,7 @@ def _lsblk(module: AnsibleModule, device: str) -> list[dict[str, str]]:
 
 def _table(module: AnsibleModule, device: str) -> list[dict[str, str]]:
     """Partitions as written in the table, read in user space (independent of the kernel)."""
-    rc, out, _err = module.run_command(
-        ["partx", "--pairs", "--output", "NR,NAME", device]
-    )
+    rc, out, _err = module.run_command(["partx", "--pairs", "--output", "NR,NAME", device])
     if rc != 0:
         return []
     return [dict(item.split("=", 1) for item in shlex.split(line)) for line in out.splitlines()]
