@@ -16,9 +16,11 @@ from collections.abc import Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.admin",  # doctor, ls, stats, purge
     "kvtier.gateway",  # gateway profiles
+    "kvtier.model",  # model make-tiny
 )
 BENCH_MODULES: tuple[str, ...] = (
     "kvtier.bench_store",  # bench store
+    "kvtier.bench_ttft",  # bench ttft (vLLM servers side by side)
 )
 
 

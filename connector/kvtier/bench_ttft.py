@@ -1,0 +1,206 @@
+"""`kvtier bench ttft`: time to first token, side by side, on one prompt set in one run.
+
+Scenarios (each its own vLLM server, same model, same flags, prefix caching on unless noted):
+- ``none``: no connector: cold TTFT, then the repeat answered by vLLM's in-memory prefix cache;
+- ``kvtier-s3``: kvtier with the S3 tier only: cold TTFT while saving, then (after a restart) the
+  hit from S3;
+- ``kvtier-disk``: disk tier only: cold, restart, hit from disk;
+- ``kvtier-cpu``: CPU tier only, vLLM prefix caching off (else vLLM answers first): cold, repeat;
+- ``example``: vLLM's ExampleConnector (disk): cold, restart, hit.
+``--max-num-batched-tokens`` is set to at least the prompt length for every server, because the
+ExampleConnector breaks on prompts prefilled over several steps.
+
+Output: a table of medians and ratios, and the same as JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.vllm.server import (
+    DEFAULT_VLLM_PYTHON,
+    VllmServer,
+    example_transfer_config,
+    kvtier_transfer_config,
+)
+
+SCENARIOS = ("none", "kvtier-s3", "kvtier-disk", "kvtier-cpu", "example")
+
+
+def _prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, 8000) for _ in range(tokens)] for _ in range(count)]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-bench-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = _prompts(args.prompts, args.prompt_tokens, args.seed)
+    run_id = f"{int(time.time())}"
+    budget = max(args.prompt_tokens + 64, 2048)
+    common = ["--max-num-batched-tokens", str(budget)]
+    warmup = _prompts(1, 64, args.seed + 1)[0]
+
+    def server(name: str, kv: str | None, *extra: str) -> VllmServer:
+        return VllmServer(
+            model=args.model,
+            port=args.port,
+            log_path=work / f"{name}.log",
+            kv_transfer_config=kv,
+            extra_args=[*common, *extra],
+            python=args.vllm_python,
+        )
+
+    def measure(srv: VllmServer) -> list[float]:
+        return [srv.complete(p, max_tokens=args.output_tokens).ttft for p in prompts]
+
+    def cold_then_warm(srv: VllmServer, restart: bool) -> tuple[list[float], list[float]]:
+        with srv:
+            srv.complete(warmup, max_tokens=4)
+            cold = measure(srv)
+            if restart:
+                srv.restart()
+                srv.complete(warmup, max_tokens=4)
+            return cold, measure(srv)
+
+    results: dict[str, dict[str, list[float]]] = {}
+    plans: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
+        "none": lambda: cold_then_warm(server("none", None), restart=False),
+        "kvtier-disk": lambda: cold_then_warm(
+            server(
+                "kvtier-disk",
+                kvtier_transfer_config(
+                    {
+                        "local_cpu": False,
+                        "local_disk": str(work / "disk" / run_id),
+                        "max_local_disk_size": 4.0,
+                    }
+                ),
+            ),
+            restart=True,
+        ),
+        "kvtier-cpu": lambda: cold_then_warm(
+            server(
+                "kvtier-cpu",
+                kvtier_transfer_config({"local_cpu": True, "max_local_cpu_size": 1.0}),
+                "--no-enable-prefix-caching",
+            ),
+            restart=False,
+        ),
+        "example": lambda: cold_then_warm(
+            server("example", example_transfer_config(str(work / "example" / run_id))),
+            restart=True,
+        ),
+    }
+    if args.s3_config:
+        plans["kvtier-s3"] = lambda: cold_then_warm(
+            server(
+                "kvtier-s3",
+                kvtier_transfer_config(
+                    {"config_file": args.s3_config, "local_cpu": False, "local_disk": None}
+                    | {"namespace": f"bench-{run_id}"}
+                ),
+            ),
+            restart=True,
+        )
+    for name in SCENARIOS:
+        if name in plans and name in args.scenarios:
+            print(f"[bench ttft] {name} ...", file=sys.stderr, flush=True)
+            cold, warm = plans[name]()
+            results[name] = {"cold": cold, "warm": warm}
+
+    med = {n: {k: _median(v) for k, v in r.items()} for n, r in results.items()}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        if a[0] in med and b[0] in med:
+            return med[a[0]][a[1]] / med[b[0]][b[1]]
+        return None
+
+    ratios = {
+        "s3_hit_after_restart / cold_no_connector (goal <= 0.08)": ratio(
+            ("kvtier-s3", "warm"), ("none", "cold")
+        ),
+        "s3_hit_after_restart / vllm_prefix_cache_hit (goal <= 1.5)": ratio(
+            ("kvtier-s3", "warm"), ("none", "warm")
+        ),
+        "disk_hit_after_restart / example_connector_hit (goal <= 1.0)": ratio(
+            ("kvtier-disk", "warm"), ("example", "warm")
+        ),
+        "cpu_hit / vllm_prefix_cache_hit": ratio(("kvtier-cpu", "warm"), ("none", "warm")),
+        "cold_kvtier_saving / cold_no_connector (goal <= 1.05)": ratio(
+            ("kvtier-s3", "cold") if "kvtier-s3" in med else ("kvtier-disk", "cold"),
+            ("none", "cold"),
+        ),
+    }
+    return {
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "output_tokens": args.output_tokens,
+        "max_num_batched_tokens": budget,
+        "model": args.model,
+        "ttft_seconds": results,
+        "median_ttft_seconds": med,
+        "ratios": ratios,
+        "logs": str(work),
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"TTFT, {report['prompts']} prompts x {report['prompt_tokens']} tokens (median seconds)",
+        "| scenario | cold | warm |",
+        "|---|---|---|",
+    ]
+    for name, m in report["median_ttft_seconds"].items():
+        lines.append(f"| {name} | {m['cold']:.3f} | {m['warm']:.3f} |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    for name, value in report["ratios"].items():
+        lines.append(f"| {name} | {'n/a' if value is None else f'{value:.3f}'} |")
+    return "\n".join(lines)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    if args.model is None:
+        from kvtier.model import make_tiny
+
+        args.model = str(make_tiny(Path(tempfile.mkdtemp(prefix="kvtier-tiny-"))))
+    report = run_bench(args)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `ttft` to `kvtier bench`."""
+    p = subparsers.add_parser(
+        "ttft",
+        help="TTFT: no connector vs kvtier (S3/disk/CPU) vs vLLM prefix cache vs ExampleConnector",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="model dir (default: make the tiny model; needs the vLLM venv)")
+    p.add_argument("--prompt-tokens", type=int, default=16384)
+    p.add_argument("--prompts", type=int, default=3, help="distinct prompts (median reported)")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--s3-config", help="kvtier YAML with the S3 tier (omit: no S3 scenario)")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--port", type=int, default=8931)
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    p.add_argument("--work-dir", help="logs and disk-tier dirs (default: a new temp dir)")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.set_defaults(func=_cmd)

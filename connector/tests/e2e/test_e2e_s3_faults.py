@@ -1,0 +1,95 @@
+"""Faults behind the server's back. S3 tier only, vLLM's prefix cache OFF (every repeat asks
+kvtier).
+
+- objects deleted from the bucket: the next request is a clean miss with the same tokens;
+- one object corrupted: detected, recomputed, same tokens; the negative control (checksum
+  verification off, a test-only setting) shows the same corruption changes the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
+
+from kvtier.format import HEADER_SIZE
+from kvtier.vllm.server import VllmServer
+
+DELETED = prompt(4_000, seed=11)
+CORRUPTED = prompt(4_000, seed=12)
+
+
+@pytest.fixture(scope="module")
+def server(servers: Servers, s3_target: S3Target) -> VllmServer:
+    srv = servers.make("s3-noprefix", s3_target.kvtier(), prefix_caching=False, env=s3_target.env)
+    srv.complete(prompt(64, seed=97), max_tokens=4)
+    return srv
+
+
+def test_deleted_objects_are_a_clean_miss(server: VllmServer, s3_target: S3Target) -> None:
+    cold = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
+    n = len(DELETED) // CHUNK
+    assert len(s3_target.wait_for_objects(n)) == n
+    c = Counters(server)
+    warm = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(DELETED), server.log_tail()
+    assert warm.token_ids == cold.token_ids
+
+    s3_target.clear()
+    c = Counters(server)
+    again = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("vllm:external_prefix_cache_hits_total") == 0
+    assert c.delta("kvtier:hit_tokens_total") == 0
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    assert again.token_ids == cold.token_ids
+    assert "Traceback" not in server.log_text()
+
+
+def _corrupt(s3_target: S3Target, key: str, original: bytes) -> None:
+    # Keep the header (so the blob still parses) and overwrite the KV payload with values
+    # (bf16 0x4747 ~ 5e4) far outside what attention ever sees.
+    bad = original[:HEADER_SIZE] + b"\x47" * (len(original) - HEADER_SIZE)
+    s3_target.client().put_object(Bucket=s3_target.bucket, Key=key, Body=bad)
+
+
+@pytest.fixture(scope="module")
+def corrupted(server: VllmServer, s3_target: S3Target) -> dict[str, Any]:
+    """Cold tokens of CORRUPTED and one of its objects (key, original bytes), corrupted."""
+    s3_target.clear()
+    cold = server.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
+    objs = s3_target.wait_for_objects(len(CORRUPTED) // CHUNK)
+    key = sorted(objs)[len(objs) // 2]
+    original = s3_target.client().get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
+    _corrupt(s3_target, key, original)
+    return {"cold": cold, "key": key, "original": original}
+
+
+def test_corrupted_object_is_detected_and_recomputed(
+    server: VllmServer, corrupted: dict[str, Any]
+) -> None:
+    c = Counters(server)
+    out = server.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:tier_errors_total", tier="s3") >= 1, server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") >= CHUNK
+    assert c.delta("kvtier:loaded_tokens_total") > 0  # the intact chunks still load
+    assert out.token_ids == corrupted["cold"].token_ids
+    assert "checksum" in server.log_text()
+
+
+def test_negative_control_without_verification_output_changes(
+    servers: Servers, s3_target: S3Target, corrupted: dict[str, Any]
+) -> None:
+    # The verifying server dropped the bad object; put the same corruption back.
+    _corrupt(s3_target, corrupted["key"], corrupted["original"])
+    unsafe = servers.make(
+        "s3-noverify",
+        s3_target.kvtier(verify_checksums=False),
+        prefix_caching=False,
+        env=s3_target.env,
+    )
+    c = Counters(unsafe)
+    out = unsafe.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(CORRUPTED), unsafe.log_tail()
+    assert out.token_ids != corrupted["cold"].token_ids
+    unsafe.stop()

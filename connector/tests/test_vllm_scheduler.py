@@ -1,0 +1,124 @@
+"""Scheduler-side planning of the vLLM connector (pure bookkeeping, no vLLM needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvtier.keys import chunk_hashes
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
+
+CHUNK, BLOCK = 256, 128
+
+
+def make(found: Sequence[str] = (), save_unfull: bool = False) -> SchedulerSide:
+    stored = set(found)
+
+    def lookup(hashes: Sequence[str]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in stored:
+                break
+            n += 1
+        return n
+
+    return SchedulerSide(
+        chunk_size=CHUNK,
+        block_size=BLOCK,
+        save_unfull_chunk=save_unfull,
+        cpu_index=CpuTierIndex(0),
+        store_lookup=lookup,
+    )
+
+
+def test_never_offers_the_whole_prompt() -> None:
+    prompt = list(range(512))  # exactly two chunks, both stored
+    s = make(chunk_hashes(prompt, CHUNK))
+    # 511 tokens may be loaded at most; block-aligned that is 384: vLLM computes the rest.
+    assert s.num_new_matched_tokens("r", prompt, 0) == 384
+
+
+def test_chunked_prefill_saves_each_chunk_when_its_last_token_is_computed() -> None:
+    prompt = list(range(1000))
+    s = make(save_unfull=True)
+    assert s.num_new_matched_tokens("r", prompt, 0) == 0
+    blocks = list(range(10, 18))  # 8 blocks of 128 tokens cover the 1000-token prompt
+    saved: list[tuple[int, ...]] = []
+    computed = 0
+    for step, size in enumerate((300, 300, 300, 100)):
+        s.on_scheduled(
+            "r",
+            prompt=prompt if step == 0 else None,
+            block_ids=blocks if step == 0 else None,
+            replace_blocks=step == 0,
+            num_computed_tokens=computed,
+            num_scheduled_tokens=size,
+        )
+        computed += size
+        plan = s.take_plan()
+        assert not plan.loads
+        saved.append(tuple(len(sp.block_ids) for sp in plan.saves))
+    # chunk 0 after 300 tokens, chunk 1 after 600, chunk 2 after 900, then the partial chunk
+    # (232 tokens: only its one fully written block).
+    assert saved == [(2,), (2,), (2,), (1,)]
+
+
+def test_partial_chunk_not_saved_by_default() -> None:
+    prompt = list(range(1000))
+    s = make()
+    s.num_new_matched_tokens("r", prompt, 0)
+    s.on_scheduled(
+        "r",
+        prompt=prompt,
+        block_ids=list(range(8)),
+        replace_blocks=True,
+        num_computed_tokens=0,
+        num_scheduled_tokens=1000,
+    )
+    assert [sp.num_tokens for sp in s.take_plan().saves] == [256, 256, 256]
+
+
+def test_load_plan_skips_locally_cached_blocks_and_does_not_resave() -> None:
+    prompt = list(range(1000))
+    hashes = chunk_hashes(prompt, CHUNK)
+    s = make(hashes[:3])
+    # vLLM's own prefix cache already holds the first block (128 tokens).
+    assert s.num_new_matched_tokens("r", prompt, 128) == 768 - 128
+    s.after_alloc("r", 640)
+    s.on_scheduled(
+        "r",
+        prompt=prompt,
+        block_ids=list(range(100, 108)),
+        replace_blocks=True,
+        num_computed_tokens=768,
+        num_scheduled_tokens=232,
+    )
+    plan = s.take_plan()
+    assert [(ld.chunk_hash, ld.first, ld.block_ids) for ld in plan.loads] == [
+        (hashes[0], 1, (101,)),
+        (hashes[1], 0, (102, 103)),
+        (hashes[2], 0, (104, 105)),
+    ]
+    assert sum(ld.num_tokens for ld in plan.loads) == 640
+    assert plan.saves == []  # all three full chunks are stored already
+    assert s.counters.take()["hit_tokens"] == 640
+
+
+def test_cpu_index_is_a_bounded_lru() -> None:
+    idx = CpuTierIndex(2)
+    for h in ("a", "b", "c"):
+        idx.add(h)
+    assert idx.leading(["a"]) == 0
+    assert idx.leading(["b", "c"]) == 2
+
+
+def test_chunk_size_must_be_a_multiple_of_block_size() -> None:
+    with pytest.raises(ValueError, match="chunk_size .* multiple of vLLM's block size"):
+        SchedulerSide(
+            chunk_size=200,
+            block_size=128,
+            save_unfull_chunk=False,
+            cpu_index=CpuTierIndex(0),
+            store_lookup=None,
+        )
