@@ -1,0 +1,181 @@
+"""What a user of the converged site sees of the Ceph side: a healthy cluster, the pools as the
+inventory asked, two radosgw behind haproxy, a working S3 profile, the lifecycle rule, and data
+that survives losing one gateway or restarting every daemon."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+LOCAL_VARS = REPO / "inventories" / "local" / "group_vars" / "all"
+POOL_DEFAULTS = REPO / "roles" / "ceph_pools" / "defaults" / "main.yml"
+
+
+def _vars() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load(POOL_DEFAULTS.read_text())
+    for name in ("kvtier.yml", "ceph.yml"):
+        values.update(yaml.safe_load((LOCAL_VARS / name).read_text()))
+    return values
+
+
+VARS = _vars()
+FRONTEND = f"http://{VARS['ceph_rgw_frontend_address']}:{VARS['ceph_rgw_frontend_port']}"
+RGW_PORTS = [VARS["ceph_rgw_backend_base_port"] + i for i in range(VARS["ceph_rgw_count_per_host"])]
+RGW_PROGRAMS = [f"rgw-kvtier-{i + 1}" for i in range(VARS["ceph_rgw_count_per_host"])]
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Re-check a condition once a second (cluster state has no change notification)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(1)
+
+
+def ceph_json(host: Any, *args: str) -> Any:
+    return json.loads(host.check_output("ceph " + " ".join(args) + " --format json"))
+
+
+def programs(host: Any, prefix: str) -> list[str]:
+    out = host.run("supervisorctl status").stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def control(host: Any, action: str, names: list[str]) -> None:
+    host.check_output(f"supervisorctl {action} {' '.join(names)}")
+
+
+def all_pgs_active_clean(host: Any) -> bool:
+    summary = ceph_json(host, "pg", "stat")["pg_summary"]
+    clean = sum(s["num"] for s in summary["num_pg_by_state"] if s["name"] == "active+clean")
+    return bool(summary["num_pgs"]) and clean == summary["num_pgs"]
+
+
+def endpoint_ok() -> bool:
+    request = urllib.request.Request(f"{FRONTEND}/", method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status) == 200
+    except OSError:  # URLError is an OSError
+        return False
+
+
+@pytest.fixture(scope="module")
+def s3(host: Any) -> Iterator[Any]:
+    """An S3 client built only from the profile written for the serving user."""
+    home = host.user(VARS["kvtier_user_name"]).home
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = f"{home}/.aws/credentials"
+    os.environ["AWS_CONFIG_FILE"] = f"{home}/.aws/config"
+    try:
+        yield boto3.Session(profile_name=VARS["aws_profile_name"]).client("s3")
+    finally:
+        del os.environ["AWS_SHARED_CREDENTIALS_FILE"], os.environ["AWS_CONFIG_FILE"]
+
+
+@pytest.fixture
+def key(s3: Any) -> Iterator[str]:
+    name = f"molecule/{uuid.uuid4().hex}"
+    yield name
+    s3.delete_object(Bucket=VARS["rgw_bucket_name"], Key=name)
+
+
+def test_cluster_is_healthy(host: Any) -> None:
+    health = ceph_json(host, "health", "detail")
+    assert health["status"] == "HEALTH_OK", health.get("checks")
+
+
+def test_pools_carry_the_requested_settings(host: Any) -> None:
+    pools = {p["pool_name"]: p for p in ceph_json(host, "osd", "pool", "ls", "detail")}
+    for pool in VARS["ceph_pools_pools"]:
+        have = pools[pool["name"]]
+        want_pg = VARS["ceph_pools_pg_overrides"].get(pool["name"], pool["pg_num"])
+        assert (have["size"], have["min_size"]) == (
+            VARS["ceph_pools_size"],
+            VARS["ceph_pools_min_size"],
+        ), pool["name"]
+        assert have["pg_num"] == want_pg, pool["name"]
+        assert have["pg_autoscale_mode"] == "off", pool["name"]
+        assert "rgw" in have["application_metadata"], pool["name"]
+
+
+def test_two_radosgw_behind_haproxy(host: Any) -> None:
+    assert host.socket(
+        f"tcp://{VARS['ceph_rgw_frontend_address']}:{VARS['ceph_rgw_frontend_port']}"
+    ).is_listening
+    for port in RGW_PORTS:
+        assert host.socket(f"tcp://127.0.0.1:{port}").is_listening
+    assert len(host.process.filter(comm="radosgw")) == VARS["ceph_rgw_count_per_host"]
+    assert len(host.process.filter(comm="haproxy")) >= 1
+
+
+def test_profile_files_are_private_to_the_serving_user(host: Any) -> None:
+    home = host.user(VARS["kvtier_user_name"]).home
+    for name in ("credentials", "config"):
+        f = host.file(f"{home}/.aws/{name}")
+        assert (f.user, f.mode) == (VARS["kvtier_user_name"], 0o600), name
+    config = host.file(f"{home}/.aws/config").content_string
+    assert "addressing_style = path" in config
+    assert "request_checksum_calculation = when_required" in config
+
+
+def test_s3_put_get_list_delete_through_haproxy(s3: Any) -> None:
+    bucket, name = VARS["rgw_bucket_name"], f"molecule/{uuid.uuid4().hex}"
+    body = os.urandom(3 << 20)
+    assert s3.meta.endpoint_url == FRONTEND
+    s3.put_object(Bucket=bucket, Key=name, Body=body)
+    assert s3.get_object(Bucket=bucket, Key=name)["Body"].read() == body
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=name)
+    assert [o["Key"] for o in listed.get("Contents", [])] == [name]
+    s3.delete_object(Bucket=bucket, Key=name)
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=name)["KeyCount"] == 0
+
+
+def test_lifecycle_rule_expires_cache_objects(s3: Any) -> None:
+    rules = s3.get_bucket_lifecycle_configuration(Bucket=VARS["rgw_bucket_name"])["Rules"]
+    mine = [r for r in rules if r["ID"] == "kvtier-cache-expiry"]
+    assert len(mine) == 1
+    assert mine[0]["Status"] == "Enabled"
+    assert mine[0]["Expiration"]["Days"] == VARS["rgw_bucket_expiration_days"]
+
+
+def test_s3_keeps_working_with_one_radosgw_down(host: Any, s3: Any, key: str) -> None:
+    bucket = VARS["rgw_bucket_name"]
+    control(host, "stop", RGW_PROGRAMS[:1])
+    try:
+        assert not host.socket(f"tcp://127.0.0.1:{RGW_PORTS[0]}").is_listening
+        for i in range(20):  # leastconn would send some of these to the stopped instance
+            body = f"{i}".encode() * 1000
+            s3.put_object(Bucket=bucket, Key=key, Body=body)
+            assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == body
+    finally:
+        control(host, "start", RGW_PROGRAMS[:1])
+    back = host.socket(f"tcp://127.0.0.1:{RGW_PORTS[0]}")
+    wait_until(lambda: back.is_listening, 60, "the radosgw instance to listen again")
+
+
+def test_object_survives_restart_of_every_ceph_daemon(host: Any, s3: Any, key: str) -> None:
+    bucket, body = VARS["rgw_bucket_name"], os.urandom(5 << 20)
+    s3.put_object(Bucket=bucket, Key=key, Body=body)
+    daemons = programs(host, "ceph-mon") + programs(host, "ceph-mgr") + programs(host, "ceph-osd")
+    assert len(daemons) == 3, daemons
+    control(host, "stop", [*RGW_PROGRAMS, *reversed(daemons)])
+    assert not host.process.filter(comm="ceph-osd") and not host.process.filter(comm="ceph-mon")
+    control(host, "start", [*daemons, *RGW_PROGRAMS])
+    wait_until(lambda: host.run("ceph tell osd.0 version").rc == 0, 120, "osd.0 to answer")
+    wait_until(lambda: all_pgs_active_clean(host), 120, "all PGs active+clean")
+    wait_until(endpoint_ok, 120, "the S3 endpoint")
+    got = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert hashlib.sha256(got).hexdigest() == hashlib.sha256(body).hexdigest()

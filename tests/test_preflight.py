@@ -1,0 +1,88 @@
+"""Bad inventory values stop `site.yml` in preflight, before anything changes, with a message
+that names the variable to fix. Runs the real playbook with `-e` overrides (needs no cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
+
+
+def run_site(extra_vars: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    return subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "site.yml", "--tags", "ceph", "-e", json.dumps(extra_vars)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+CASES = {
+    "unknown cluster mode": (
+        {"ceph_cluster_mode": "rook"},
+        r"ceph_cluster_mode must be one of: package, cephadm, got: rook",
+    ),
+    "unknown rgw mode": (
+        {"ceph_rgw_mode": "k8s"},
+        r"ceph_rgw_mode must be one of: package, cephadm, got: k8s",
+    ),
+    "pg count not a power of two": (
+        {"ceph_pools_pg_overrides": {"default.rgw.buckets.data": 48}},
+        r"pg_num 48 of pool default\.rgw\.buckets\.data .*is not a power of two",
+    ),
+    "override of an unknown pool": (
+        {"ceph_pools_pg_overrides": {"default.rgw.bucket.data": 32}},
+        r"ceph_pools_pg_overrides names pools that are not in ceph_pools_pools: "
+        r"default\.rgw\.bucket\.data",
+    ),
+    "pool without pg_num": (
+        {"ceph_pools_pools": [{"name": "default.rgw.buckets.data"}]},
+        r"missing required arguments: pg_num found in ceph_pools_pools",
+    ),
+    "pool with an unknown key": (
+        {"ceph_pools_pools": [{"name": "x", "pg_num": 8, "pgnum": 8}]},
+        r"ceph_pools_pools\.pgnum\. Supported parameters include: application, min_size, name",
+    ),
+    "min_size above size": (
+        {"ceph_pools_size": 1, "ceph_pools_min_size": 2},
+        r"need 1 <= min_size \(2\) <= size \(1\)",
+    ),
+    "only one of the two S3 keys": (
+        {"rgw_bucket_access_key": "AKIAEXAMPLE"},
+        r"Set both rgw_bucket_access_key and rgw_bucket_secret_key, or neither",
+    ),
+    "frontend port on an instance port": (
+        {"ceph_rgw_frontend_port": 7482},
+        r"ceph_rgw_frontend_port 7482 collides with the radosgw instance ports 7481\.\.7482",
+    ),
+    "address not on this host": (
+        {"ceph_cluster_address": "192.0.2.7"},
+        r"ceph_cluster_address '192\.0\.2\.7' must be an IPv4 address of this host",
+    ),
+    "device backing without a device": (
+        {"ceph_cluster_osd_backing": "device"},
+        r"ceph_cluster_osd_backing is 'device' but ceph_cluster_osd_device",
+    ),
+}
+
+
+@pytest.mark.parametrize("extra_vars,message", list(CASES.values()), ids=list(CASES))
+def test_bad_inventory_value_fails_in_preflight(
+    extra_vars: dict[str, object], message: str
+) -> None:
+    done = run_site(extra_vars)
+    output = re.sub(r"\s+", " ", done.stdout + done.stderr)
+    assert done.returncode != 0, output[-2000:]
+    assert re.search(message, output), output[-3000:]
+    # Nothing was changed: the failure came before any role ran.
+    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", done.stdout), done.stdout[-2000:]
