@@ -554,7 +554,10 @@ def _cmd_test(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add `gateway` to a CLI's subparsers (`kvtier.cli` calls this)."""
     parser = subparsers.add_parser(
-        "gateway", help="manage OpenAI-compatible API gateway profiles", description=__doc__
+        "gateway",
+        help="manage OpenAI-compatible API gateway profiles",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _configure(parser)
 
@@ -614,7 +617,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier gateway", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvtier gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _configure(parser)
     return run(parser.parse_args(argv))
 
