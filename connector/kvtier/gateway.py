@@ -307,6 +307,7 @@ class Outcome(enum.Enum):
     AUTH = "authentication failed"
     BAD_BASE_URL = "endpoint not found"
     MODEL_NOT_FOUND = "model not served"
+    NO_CHAT_TEMPLATE = "model has no chat template"
     CONNECTION_REFUSED = "connection refused"
     UNKNOWN_HOST = "unknown host"
     TIMEOUT = "timeout"
@@ -432,6 +433,14 @@ def _classify_http(
             f"base_url '{profile.base_url}' does not lead to an OpenAI-compatible API"
         ]
         return CheckResult(Outcome.BAD_BASE_URL, f"HTTP {code} from {url}: {hints[0]}", elapsed)
+    if code == 400 and "chat template" in said.lower():
+        # vLLM refuses chat completions for a model whose tokenizer has no chat template.
+        return CheckResult(
+            Outcome.NO_CHAT_TEMPLATE,
+            f"HTTP 400 from {url}: the served model has no chat template ({said}). Start the "
+            "server with --chat-template FILE, or serve an instruct model that ships one",
+            elapsed,
+        )
     return CheckResult(Outcome.HTTP_ERROR, f"HTTP {code} from {url}: {said}", elapsed)
 
 

@@ -36,6 +36,13 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         if self.path == "/slow/v1/chat/completions":
             time.sleep(2)
             self._reply(200, {"choices": [{"message": {"content": "late"}}]})
+        elif self.path == "/base-model/v1/chat/completions":
+            # vLLM's answer for a model whose tokenizer has no chat template.
+            message = (
+                "As of transformers v4.44, default chat template is no longer allowed, so you "
+                "must provide a chat template if the tokenizer does not define one."
+            )
+            self._reply(400, {"error": {"message": message, "code": 400}})
         elif self.path == "/html/v1/chat/completions":
             self._reply(200, "<html>a login page</html>")
         elif self.path != "/v1/chat/completions":
@@ -145,6 +152,12 @@ def test_unknown_model_is_not_blamed_on_base_url(server: str) -> None:
     assert result.outcome is Outcome.MODEL_NOT_FOUND
     assert "'gpt-9'" in result.message
     assert "does not exist" in result.message
+
+
+def test_model_without_chat_template_is_diagnosed(server: str) -> None:
+    result = gateway.check_profile(_profile(f"{server}/base-model/v1"))
+    assert result.outcome is Outcome.NO_CHAT_TEMPLATE
+    assert "--chat-template" in result.message
 
 
 def test_connection_refused_is_diagnosed(closed_port: int) -> None:
