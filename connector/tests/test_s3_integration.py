@@ -1,8 +1,7 @@
 """kvtier's S3 tier and CLI against the real Ceph RGW brought up by the project's playbook.
 
-Uses the session fixture ``ceph_s3`` (connector/tests/conftest.py). Fields read from it (as
-attributes or mapping keys): endpoint_url, region, bucket, profile, credentials_file,
-config_file. ``KVTIER_TEST_S3_CONFIG`` (a kvtier YAML with remote_url/endpoint_url/aws_profile,
+Uses the session fixture ``ceph_s3`` (connector/tests/conftest.py). ``KVTIER_TEST_S3_CONFIG``
+(a kvtier YAML with remote_url/endpoint_url/aws_profile,
 with AWS_* file variables in the environment) runs the same tests against any other S3.
 Every test writes under its own random prefix and deletes what it wrote.
 """
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 from _helpers import FINGERPRINT, chunks
+from conftest import CephS3
 
 from kvtier.cli import main as cli_main
 from kvtier.config import KvtierConfig, load_config
@@ -56,10 +56,6 @@ class S3Env:
         return path
 
 
-def _field(obj: Any, name: str) -> Any:
-    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
-
-
 @pytest.fixture
 def s3(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -77,14 +73,14 @@ def s3(
             tmp_path,
         )
     else:
-        fx = request.getfixturevalue("ceph_s3")
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(_field(fx, "credentials_file")))
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(_field(fx, "config_file")))
+        fx: CephS3 = request.getfixturevalue("ceph_s3")
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(fx.credentials_file))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(fx.config_file))
         env = S3Env(
-            _field(fx, "endpoint_url"),
-            _field(fx, "region"),
-            _field(fx, "bucket"),
-            _field(fx, "profile"),
+            fx.endpoint_url,
+            fx.region,
+            fx.bucket,
+            fx.profile,
             tmp_path,
         )
     prefix = f"kvtier-test/{uuid.uuid4().hex[:10]}"

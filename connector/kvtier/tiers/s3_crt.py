@@ -40,32 +40,41 @@ def _crt_cause(exc: BaseException) -> str:
 
 
 class _Pending:
-    """One in-flight request: collects the body parts and the final status."""
+    """One in-flight request: collects the body (header split off) and the final status."""
 
     def __init__(self, method: str, okey: str) -> None:
         self.method = method
         self.okey = okey
         self.request: Any = None
         self.status: int | None = None
+        self._header = b""
         self._parts: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
     def on_body(self, chunk: Any, offset: int, **_: Any) -> None:
-        data = bytes(chunk)  # the buffer is only valid during the callback
+        # The buffer is only valid during the callback: copy it once, splitting the header off
+        # here so the payload needs no second copy (a small object arrives in one callback).
+        view = memoryview(chunk)
         with self._lock:
-            self._parts[offset] = data
+            if offset < HEADER_SIZE:
+                cut = HEADER_SIZE - offset
+                self._header += bytes(view[:cut])
+                if len(view) > cut:
+                    self._parts[0] = bytes(view[cut:])
+            else:
+                self._parts[offset - HEADER_SIZE] = bytes(view)
 
     def on_done(
         self, error: BaseException | None, status_code: int | None = None, **_: Any
     ) -> None:
         self.status = status_code
 
-    def body(self) -> bytes:
+    def stored(self) -> Stored:
         with self._lock:
             parts = self._parts
-            if len(parts) == 1:
-                return next(iter(parts.values()))
-            return b"".join(parts[o] for o in sorted(parts))
+            if len(parts) <= 1:
+                return self._header, parts.get(0, b"")
+            return self._header, b"".join(parts[o] for o in sorted(parts))
 
 
 class CrtS3Tier(Tier):
@@ -177,7 +186,7 @@ class CrtS3Tier(Tier):
         )
         return pending
 
-    def _finish(self, pending: _Pending) -> tuple[int, bytes | None]:
+    def _finish(self, pending: _Pending) -> tuple[int, Stored | None]:
         """Wait for a request; return (status, body). 404 is returned, other failures raise."""
         where = f"S3 {pending.method} s3://{self.bucket}/{pending.okey}"
         try:
@@ -193,11 +202,11 @@ class CrtS3Tier(Tier):
             raise TierError(cause, f"{where}: {exc}") from exc
         if pending.method != "GET":
             return pending.status or 200, None
-        return pending.status or 200, pending.body()
+        return pending.status or 200, pending.stored()
 
     def _request(
         self, method: str, key: str, body: bytes | None = None
-    ) -> tuple[int, bytes | None]:
+    ) -> tuple[int, Stored | None]:
         return self._finish(self._start(method, self.object_key(key), body))
 
     def raw_batch(self, op: str, object_keys: Sequence[str], body: bytes) -> int:
@@ -214,7 +223,8 @@ class CrtS3Tier(Tier):
             except TierError:
                 errors += 1
                 continue
-            if status == 404 or (method == "GET" and (data is None or len(data) != len(body))):
+            got = 0 if data is None else len(data[0]) + len(data[1])
+            if status == 404 or (method == "GET" and got != len(body)):
                 errors += 1
         return errors
 
@@ -227,9 +237,7 @@ class CrtS3Tier(Tier):
 
     def get(self, key: str) -> Stored | None:
         status, data = self._request("GET", key)
-        if status == 404 or data is None:
-            return None
-        return data[:HEADER_SIZE], data[HEADER_SIZE:]
+        return None if status == 404 else data
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         self._request("PUT", key, header + payload)
