@@ -114,7 +114,7 @@ def test_cpu_index_is_a_bounded_lru() -> None:
 
 
 def test_chunk_size_must_be_a_multiple_of_block_size() -> None:
-    with pytest.raises(ValueError, match="chunk_size .* multiple of vLLM's block size"):
+    with pytest.raises(ValueError, match=r"chunk_size .* multiple of vLLM's block size"):
         SchedulerSide(
             chunk_size=200,
             block_size=128,

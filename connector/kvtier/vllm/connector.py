@@ -115,7 +115,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------------------------ setup
     def _init_scheduler(self) -> None:
         cfg = self.cfg
-        shared = dataclasses.replace(cfg, local_cpu=False)  # the worker's CPU tier is not ours
+        # The worker's CPU tier is not ours to see. Stats go to a subdirectory: in single-process
+        # mode the worker's store has the same pid, hence the same stats file name.
+        stats = os.path.join(cfg.stats_path, "scheduler") if cfg.stats_path else None
+        shared = dataclasses.replace(cfg, local_cpu=False, stats_dir=stats)
         if shared.local_disk or shared.remote_url:
             self._lookup_store = TieredStore.from_config(shared, self.fingerprint)
         store = self._lookup_store
@@ -161,14 +164,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._scheduler is None or num_external_tokens <= 0:
             return
         self._scheduler.after_alloc(request.request_id, num_external_tokens)
-        log.info(
-            "kvtier: request %s: %d prompt tokens, %d computed locally, %d loaded from %s",
-            request.request_id,
-            request.num_prompt_tokens,
-            request.num_computed_tokens,
-            num_external_tokens,
-            self._scheduler.hit_sources(request.request_id, num_external_tokens),
-        )
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int

@@ -205,10 +205,19 @@ class SchedulerSide:
             return
         st.pending_load = (st.local_tokens, num_external_tokens)
         self.counters.hit_tokens += num_external_tokens
-        for tier, n in self._hit_sources(st, st.local_tokens, num_external_tokens).items():
+        sources = self._hit_sources(st, st.local_tokens, num_external_tokens)
+        for tier, n in sources.items():
             self.counters.hit_tokens_by_tier[tier] = (
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
             )
+        log.info(
+            "kvtier: request %s: %d prompt tokens, %d in vLLM's prefix cache, %d to load %s",
+            req_id,
+            st.prompt_len,
+            st.local_tokens,
+            num_external_tokens,
+            sources,
+        )
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """Where the planned tokens are expected to come from ("cpu", "disk", "s3")."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from _e2e import VLLM_PYTHON, Counters, S3Target, Servers, field_of
 
+from kvtier.config import load_config
 from kvtier.vllm.server import VllmServer
 
 
@@ -56,18 +57,37 @@ def tiny_model(e2e_root: Path) -> str:
 
 @pytest.fixture(scope="module")
 def s3_target(request: pytest.FixtureRequest) -> Iterator[S3Target]:
-    fx = request.getfixturevalue("ceph_s3")
-    target = S3Target(
-        bucket=field_of(fx, "bucket"),
-        prefix=f"kvtier-e2e/{uuid.uuid4().hex[:10]}",
-        endpoint_url=field_of(fx, "endpoint_url"),
-        region=field_of(fx, "region"),
-        profile=field_of(fx, "profile"),
-        env={
-            "AWS_SHARED_CREDENTIALS_FILE": str(field_of(fx, "credentials_file")),
-            "AWS_CONFIG_FILE": str(field_of(fx, "config_file")),
-        },
-    )
+    """A fresh prefix in the bucket of ``ceph_s3`` (or of ``$KVTIER_TEST_S3_CONFIG``, a kvtier
+    YAML with remote_url/endpoint_url/aws_profile, to run against another S3); emptied after."""
+    prefix = f"kvtier-e2e/{uuid.uuid4().hex[:10]}"
+    override = os.environ.get("KVTIER_TEST_S3_CONFIG")
+    if override:
+        cfg = load_config(override)
+        target = S3Target(
+            bucket=cfg.s3_bucket or "",
+            prefix=prefix,
+            endpoint_url=cfg.endpoint_url or "",
+            region=cfg.extra_config.s3_region,
+            profile=cfg.aws_profile or "default",
+            env={
+                k: os.environ[k]
+                for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+                if k in os.environ
+            },
+        )
+    else:
+        fx = request.getfixturevalue("ceph_s3")
+        target = S3Target(
+            bucket=field_of(fx, "bucket"),
+            prefix=prefix,
+            endpoint_url=field_of(fx, "endpoint_url"),
+            region=field_of(fx, "region"),
+            profile=field_of(fx, "profile"),
+            env={
+                "AWS_SHARED_CREDENTIALS_FILE": str(field_of(fx, "credentials_file")),
+                "AWS_CONFIG_FILE": str(field_of(fx, "config_file")),
+            },
+        )
     yield target
     target.clear()
 
