@@ -77,7 +77,13 @@ def _blkid(module: AnsibleModule, path: str) -> dict[str, str]:
         return {}
     if rc != 0:
         module.fail_json(msg=f"blkid -p {path} failed (rc {rc}): {err.strip()}")
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    # A partition always reports its own table entry (PART_ENTRY_*): that is not content.
+    return {
+        key: value
+        for key, value in found.items()
+        if key != "DEVNAME" and not key.startswith("PART_ENTRY_")
+    }
 
 
 def _lsblk(module: AnsibleModule, device: str) -> list[dict[str, str]]:
