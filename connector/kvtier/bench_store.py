@@ -156,51 +156,79 @@ def run_s3(
     reps: int,
     kvtier_threads: int,
 ) -> list[Cell]:
+    """All clients, interleaved: each repetition runs every client once, PUTs first, then GETs,
+    so that drift in the cluster (compaction after writes, cache) hits all clients alike."""
     run_prefix = f"kvtier-bench/{uuid.uuid4().hex[:8]}"
     bench = S3Bench(cfg, run_prefix)
     cells: list[Cell] = []
+    stores: list[tuple[str, TieredStore]] = []
     try:
         for size in sizes:
             n = max(4, total // size)
             nbytes = n * size
             body = os.urandom(size)
-            # warm up (pool creation, connections) outside the timings
-            bench.boto3_run("put", bench.keys("warm", 8), body, 8)
+            payload = body[: size - 64] if size > 64 else b"x"
+            hashes = chunk_hashes(list(range(n * 4)), 4)
+            warm_hashes = chunk_hashes(list(range(10**6, 10**6 + 4 * 64)), 4)
+            # warm up (pool creation, connections) outside the timings, for every client
+            warm = bench.keys("warm", 64)
+            bench.boto3_run("put", warm, body, 64)
+            bench.boto3_run("get", warm, body, 64)
+            bench.crt_run("get", warm, body)
+            runs: dict[str, tuple[Callable[[], int], Callable[[], int]]] = {}
             for t in threads:
                 keys = bench.keys(f"boto3-{t}-{size}", n)
-                for op in ("put", "get"):
-                    mib, cpu, runs, err = _measure(
-                        partial(bench.boto3_run, op, keys, body, t), nbytes, reps
-                    )
-                    cells.append(Cell(f"raw boto3 {t} thr", size, op, mib, cpu, runs, err))
+                runs[f"raw boto3 {t} thr"] = (
+                    partial(bench.boto3_run, "put", keys, body, t),
+                    partial(bench.boto3_run, "get", keys, body, t),
+                )
             keys = bench.keys(f"crt-{size}", n)
-            for op in ("put", "get"):
-                mib, cpu, runs, err = _measure(partial(bench.crt_run, op, keys, body), nbytes, reps)
-                cells.append(Cell("raw awscrt", size, op, mib, cpu, runs, err))
-            payload = os.urandom(size - 64) if size > 64 else b"x"
-            hashes = chunk_hashes(list(range(n * 4)), 4)
+            runs["raw awscrt"] = (
+                partial(bench.crt_run, "put", keys, body),
+                partial(bench.crt_run, "get", keys, body),
+            )
             for client in ("boto3", "crt"):
                 store = _kvtier_s3_store(
                     cfg, client, f"{run_prefix}/kv-{client}-{size}", kvtier_threads
                 )
-                put_all = partial(_put_all, store, hashes, payload)
-                get_all = partial(_get_all, store, hashes)
-                for op, fn in (("put", put_all), ("get", get_all)):
-                    mib, cpu, runs, err = _measure(fn, nbytes, reps)
-                    st = store.stats().tiers["s3"]
+                stores.append((client, store))
+                _put_all(store, warm_hashes, payload)  # connections up, as for the raw clients
+                _get_all(store, warm_hashes)
+                runs[f"kvtier s3 ({client})"] = (
+                    partial(_put_all, store, hashes, payload),
+                    partial(_get_all, store, hashes),
+                )
+            for op_index, op in enumerate(("put", "get")):
+                speeds: dict[str, list[float]] = {name: [] for name in runs}
+                cpus: dict[str, list[float]] = {name: [] for name in runs}
+                errors = dict.fromkeys(runs, 0)
+                for _ in range(reps):
+                    for name, fns in runs.items():
+                        mib, cpu, _, err = _measure(fns[op_index], nbytes, 1)
+                        speeds[name].append(mib)
+                        cpus[name].append(cpu)
+                        errors[name] += err
+                for name in runs:
                     cells.append(
                         Cell(
-                            f"kvtier s3 ({client})",
+                            name,
                             size,
                             op,
-                            mib,
-                            cpu,
-                            runs,
-                            err + sum(st.errors.values()),
+                            statistics.median(speeds[name]),
+                            statistics.median(cpus[name]),
+                            speeds[name],
+                            errors[name],
                         )
                     )
+            for client, store in stores:  # tier errors (any cause) count as benchmark errors
+                failed = sum(sum(t.errors.values()) for t in store.stats().tiers.values())
+                if failed:
+                    cells.append(Cell(f"kvtier s3 ({client})", size, "errors", 0, 0, [], failed))
                 store.close()
+            stores.clear()
     finally:
+        for _, store in stores:
+            store.close()
         bench.close()
         _purge_prefix(bench, run_prefix)
     return cells
@@ -293,8 +321,9 @@ def _table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def _ratios(cells: list[Cell]) -> list[dict[str, Any]]:
-    """kvtier vs the best raw client per (size, op)."""
+def _ratios(cells: list[Cell], kvtier_threads: int) -> list[dict[str, Any]]:
+    """kvtier vs the best raw client per (size, op), and kvtier's boto3 tier vs raw boto3 at the
+    same thread count (the like-for-like overhead of kvtier itself)."""
     out = []
     for size in sorted({c.size for c in cells}):
         for op in ("put", "get"):
@@ -307,6 +336,8 @@ def _ratios(cells: list[Cell]) -> list[dict[str, Any]]:
             if raw and mine:
                 best = max(raw, key=lambda c: c.mib_s)
                 kv = max(mine, key=lambda c: c.mib_s)
+                same = next((c for c in raw if c.client == f"raw boto3 {kvtier_threads} thr"), None)
+                kv_boto3 = next((c for c in mine if c.client == "kvtier s3 (boto3)"), None)
                 out.append(
                     {
                         "size": size,
@@ -316,6 +347,9 @@ def _ratios(cells: list[Cell]) -> list[dict[str, Any]]:
                         "kvtier": kv.client,
                         "kvtier_mib_s": kv.mib_s,
                         "ratio": kv.mib_s / best.mib_s,
+                        "boto3_same_threads_ratio": (
+                            kv_boto3.mib_s / same.mib_s if same and kv_boto3 else None
+                        ),
                     }
                 )
     return out
@@ -398,11 +432,17 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(disk_dir, exist_ok=True)
     cells += run_disk(disk_dir, sizes, total, reps)
     print(_table(cells))
-    ratios = _ratios(cells)
+    ratios = _ratios(cells, args.kvtier_threads)
     for r in ratios:
         print(
             f"{r['op']} {r['size'] // 1024} KiB: {r['kvtier']} {r['kvtier_mib_s']:.0f} MiB/s = "
             f"{100 * r['ratio']:.0f} % of best raw ({r['best_raw']}, {r['best_raw_mib_s']:.0f})"
+            + (
+                f"; kvtier boto3 vs raw boto3 at {args.kvtier_threads} threads: "
+                f"{100 * r['boto3_same_threads_ratio']:.0f} %"
+                if r["boto3_same_threads_ratio"]
+                else ""
+            )
         )
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
