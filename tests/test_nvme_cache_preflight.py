@@ -80,6 +80,21 @@ def foreign_device(tmp_path: Path) -> Iterator[str]:
     _run("losetup", "--detach", device)
 
 
+@pytest.fixture
+def shared_disk(tmp_path: Path) -> Iterator[str]:
+    """A 400 MiB disk: partition 1 holds someone's ext4, partition 2 is free for the cache."""
+    image = tmp_path / "shared.img"
+    _run("truncate", "--size", "400M", str(image))
+    device = _run("losetup", "--find", "--show", "--partscan", str(image)).stdout.strip()
+    assert device.startswith("/dev/loop"), "no free loop device"
+    _run("parted", "-s", device, "mklabel", "gpt", "mkpart", "data", "1MiB", "40MiB")
+    _run("parted", "-s", device, "mkpart", "spare", "40MiB", "100%")
+    _run("mkfs.ext4", "-q", "-L", "userdata", f"{device}p1")
+    yield device
+    _run("umount", str(tmp_path / "disk"))
+    _run("losetup", "--detach", device)
+
+
 def _vars(device: str, tmp_path: Path, **extra: object) -> dict[str, object]:
     return {
         "nvme_cache_backing": "device",
@@ -150,3 +165,23 @@ def test_forced_device_is_formatted_mounted_and_torn_down(
     assert not mount_path.exists()
     assert _fstab_lines(mount_path) == []
     assert _blkid(foreign_device) == {}
+
+
+def test_free_partition_next_to_foreign_one_is_used_and_neighbour_kept(
+    shared_disk: str, tmp_path: Path
+) -> None:
+    mount_path = tmp_path / "disk"
+    cache_partition = f"{shared_disk}p2"
+    run = _playbook("playbooks/cache_disks.yml", _vars(cache_partition, tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert _blkid(cache_partition)["LABEL"] == "kvtier-cache"
+    assert mount_path.is_mount()
+
+    teardown = _playbook(
+        "playbooks/teardown_host.yml", _vars(cache_partition, tmp_path), "--tags", "nvme_cache"
+    )
+    assert teardown.returncode == 0, teardown.stdout[-3000:]
+    assert not mount_path.exists()
+    assert _fstab_lines(mount_path) == []
+    assert "TYPE" not in _blkid(cache_partition)  # filesystem wiped, partition entry kept
+    assert _blkid(f"{shared_disk}p1")["LABEL"] == "userdata"
