@@ -26,7 +26,7 @@ options:
     elements: dict
     required: true
   defaults:
-    description: Values for size, min_size, pg_autoscale_mode and application when a pool omits them.
+    description: size, min_size, pg_autoscale_mode and application for pools that omit them.
     type: dict
     required: true
   pg_overrides:
@@ -73,7 +73,8 @@ class CephPools:
         return str(out)
 
     def current(self) -> dict[str, dict[str, Any]]:
-        pools = json.loads(self.ceph("osd", "pool", "ls", "detail", "--format", "json", read_only=True))
+        out = self.ceph("osd", "pool", "ls", "detail", "--format", "json", read_only=True)
+        pools = json.loads(out)
         return {p["pool_name"]: p for p in pools}
 
     def desired(self) -> list[dict[str, Any]]:
@@ -81,8 +82,10 @@ class CephPools:
         overrides = self.module.params["pg_overrides"]
         out = []
         for pool in self.module.params["pools"]:
-            want = {k: pool.get(k, defaults.get(k)) for k in
-                    ("size", "min_size", "pg_autoscale_mode", "application")}
+            want = {
+                k: pool.get(k, defaults.get(k))
+                for k in ("size", "min_size", "pg_autoscale_mode", "application")
+            }
             want["name"] = pool["name"]
             want["pg_num"] = int(overrides.get(pool["name"], pool["pg_num"]))
             out.append(want)
@@ -92,21 +95,37 @@ class CephPools:
         name = want["name"]
         if have is None:
             pg = str(want["pg_num"])
-            self.ceph("osd", "pool", "create", name, pg, pg, "replicated",
-                      f"--autoscale-mode={want['pg_autoscale_mode']}")
-            have = {"size": None, "min_size": None, "pg_autoscale_mode": want["pg_autoscale_mode"],
-                    "pg_num": want["pg_num"], "application_metadata": {}, "type": REPLICATED}
+            self.ceph(
+                "osd",
+                "pool",
+                "create",
+                name,
+                pg,
+                pg,
+                "replicated",
+                f"--autoscale-mode={want['pg_autoscale_mode']}",
+            )
+            have = {
+                "size": None,
+                "min_size": None,
+                "pg_autoscale_mode": want["pg_autoscale_mode"],
+                "pg_num": want["pg_num"],
+                "application_metadata": {},
+                "type": REPLICATED,
+            }
         if have.get("type") != REPLICATED:
             self.module.fail_json(
-                msg=f"Pool {name} exists but is not replicated; ceph_pools manages replicated pools "
-                    "only. Remove it from ceph_pools_pools or recreate it as replicated.")
+                msg=f"Pool {name} exists but is not replicated; ceph_pools manages replicated "
+                "pools only. Remove it from ceph_pools_pools or recreate it as replicated."
+            )
         # Autoscaler first, so it cannot undo the pg_num set below.
         if have.get("pg_autoscale_mode") != want["pg_autoscale_mode"]:
             self.ceph("osd", "pool", "set", name, "pg_autoscale_mode", want["pg_autoscale_mode"])
         # size before min_size: min_size may not exceed size.
         if have.get("size") != want["size"]:
-            self.ceph("osd", "pool", "set", name, "size", str(want["size"]),
-                      "--yes-i-really-mean-it")
+            self.ceph(
+                "osd", "pool", "set", name, "size", str(want["size"]), "--yes-i-really-mean-it"
+            )
         if have.get("min_size") != want["min_size"]:
             self.ceph("osd", "pool", "set", name, "min_size", str(want["min_size"]))
         # pg_num moves towards pg_num_target in steps; the target is what was asked for.

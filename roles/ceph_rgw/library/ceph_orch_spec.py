@@ -15,8 +15,9 @@ DOCUMENTATION = r"""
 module: ceph_orch_spec
 short_description: Validate cephadm service specs and apply the ones that changed
 description:
-  - Checks every spec against the project's schema (unknown keys rejected) and, where Ceph's own
-    spec classes are importable (python3-ceph-common), with C(ServiceSpec.from_json(doc).validate()).
+  - Checks every spec against the project's schema (unknown keys rejected) and, where Ceph's
+    own spec classes are importable (python3-ceph-common), with
+    C(ServiceSpec.from_json(doc).validate()).
     Ceph releases before Tentacle do not know the rgw C(concentrator) fields: such specs get the
     project's schema check only.
   - Reads each service's current spec (C(ceph orch ls --export)) and runs C(ceph orch apply)
@@ -99,7 +100,8 @@ def schema_errors(doc: dict[str, Any]) -> list[str]:
     if not isinstance(placement, dict) or not placement:
         errors.append(f"{name}: placement is required")
     else:
-        errors += [f"{name}: unknown placement key {k!r}" for k in sorted(set(placement) - _PLACEMENT_KEYS)]
+        unknown = sorted(set(placement) - _PLACEMENT_KEYS)
+        errors += [f"{name}: unknown placement key {k!r}" for k in unknown]
         cph = placement.get("count_per_host")
         if cph is not None and (not isinstance(cph, int) or cph < 1):
             errors.append(f"{name}: placement.count_per_host must be an integer >= 1")
@@ -118,7 +120,7 @@ def schema_errors(doc: dict[str, Any]) -> list[str]:
         if spec.get("concentrator") != "haproxy":
             errors.append(f"{name}: spec.concentrator must be 'haproxy'")
         if spec.get("concentrator_frontend_port") is None:
-            errors.append(f"{name}: spec.concentrator_frontend_port is required with a concentrator")
+            errors.append(f"{name}: spec.concentrator_frontend_port is required")
     if kind == "ingress":
         for key in ("backend_service", "frontend_port", "monitor_port", "virtual_ip"):
             if not spec.get(key):
@@ -135,7 +137,7 @@ def ceph_errors(doc: dict[str, Any]) -> list[str] | None:
         return None
     try:
         ServiceSpec.from_json(json.loads(json.dumps(doc))).validate()
-    except Exception as err:  # noqa: BLE001 - Ceph raises SpecValidationError, TypeError, ...
+    except Exception as err:  # Ceph raises SpecValidationError, TypeError, ...
         if set(doc.get("spec", {})) & _CONCENTRATOR_KEYS and "concentrator" in str(err):
             return None  # a release before Tentacle: its classes do not know the field
         return [f"{service_name(doc)}: {type(err).__name__}: {err}"]
@@ -184,7 +186,8 @@ def main() -> None:
             ["ceph", "orch", "apply", "-i", "-"], data=json.dumps(doc), binary_data=True
         )
         if rc != 0:
-            module.fail_json(msg=f"`ceph orch apply` of {name} failed: {err.strip() or out.strip()}")
+            detail = err.strip() or out.strip()
+            module.fail_json(msg=f"`ceph orch apply` of {name} failed: {detail}")
     module.exit_json(changed=bool(applied), applied=applied)
 
 

@@ -25,7 +25,10 @@ options:
   access_key: {description: S3 access key., type: str, required: true}
   secret_key: {description: S3 secret key., type: str, required: true, no_log: true}
   name: {description: Bucket name., type: str, required: true}
-  expiration_days: {description: Days until objects expire; 0 removes the rule., type: int, required: true}
+  expiration_days:
+    description: Days until objects expire; 0 removes the rule.
+    type: int
+    required: true
   lifecycle_rule_id: {description: Id of the rule this module owns., type: str, required: true}
   lifecycle_prefix: {description: Key prefix of the rule., type: str, default: ""}
 """
