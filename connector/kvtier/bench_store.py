@@ -187,7 +187,7 @@ def run_s3(
                 partial(bench.crt_run, "put", keys, body),
                 partial(bench.crt_run, "get", keys, body),
             )
-            for client in ("boto3", "crt"):
+            for client in ("boto3", "crt", "auto"):
                 store = _kvtier_s3_store(
                     cfg, client, f"{run_prefix}/kv-{client}-{size}", kvtier_threads
                 )

@@ -86,7 +86,8 @@ class KvtierConfig:
     endpoint_url: str | None = None
     #: Tenant separation: chunks written under one namespace are never read under another.
     namespace: str = "default"
-    #: S3 client: ``auto`` (picked by chunk size, see docs/benchmarks.md), ``boto3`` or ``crt``.
+    #: S3 client: ``boto3``, ``crt`` (awscrt S3Client) or ``auto`` (PUT via awscrt, GET/HEAD via
+    #: boto3: the faster/cheaper one per operation as measured, see docs/benchmarks.md).
     s3_client: str = "auto"
     #: Directory where each process writes its stats snapshot (``kvtier stats`` reads it).
     #: Default: ``<local_disk>/.kvtier-stats`` when the disk tier is on, else off.

@@ -44,7 +44,8 @@ def test_bench_store_reports_every_client(
     [report] = sorted(out.glob("bench-store-*.json"))[-1:]
     doc = json.loads(report.read_text())
     clients = {c["client"] for c in doc["cells"]}
-    assert {"raw awscrt", "kvtier s3 (boto3)", "kvtier s3 (crt)", "kvtier disk"} <= clients
+    kvtier = {"kvtier s3 (boto3)", "kvtier s3 (crt)", "kvtier s3 (auto)", "kvtier disk"}
+    assert {"raw awscrt", *kvtier} <= clients
     assert any(c.startswith("raw boto3") for c in clients)
     assert "raw sequential read" in clients
     assert all(c["errors"] == 0 and c["mib_s"] > 0 for c in doc["cells"])

@@ -27,7 +27,7 @@ from kvtier.tiers.s3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
 
-CLIENTS = ["boto3", "crt"]
+CLIENTS = ["boto3", "crt", "auto"]
 
 
 @dataclass

@@ -89,6 +89,7 @@ class CrtS3Tier(Tier):
         timeout: float,
         concurrency: int,
         part_size: int = 64 << 20,
+        reads_via_boto3: bool = False,
     ) -> None:
         from awscrt.auth import (
             AwsCredentialsProvider,
@@ -102,6 +103,7 @@ class CrtS3Tier(Tier):
         from awscrt.s3 import S3Client, S3RequestTlsMode
 
         self._admin = admin
+        self._reads_via_boto3 = reads_via_boto3
         self.bucket = admin.bucket
         self.prefix = admin.prefix
         self._timeout = timeout
@@ -138,7 +140,8 @@ class CrtS3Tier(Tier):
         )
 
     @classmethod
-    def from_config(cls, cfg: KvtierConfig) -> CrtS3Tier:
+    def from_config(cls, cfg: KvtierConfig, reads_via_boto3: bool = False) -> CrtS3Tier:
+        """``reads_via_boto3``: GET and HEAD through boto3, PUT through awscrt (``auto``)."""
         admin = Boto3S3Tier.from_config(cfg)
         client = admin._client
         creds = client._request_signer._credentials
@@ -155,6 +158,7 @@ class CrtS3Tier(Tier):
             (frozen.access_key, frozen.secret_key, frozen.token),
             cfg.blocking_timeout_secs,
             min(cfg.extra_config.s3_max_io_concurrency, 64),
+            reads_via_boto3=reads_via_boto3,
         )
 
     def object_key(self, key: str) -> str:
@@ -229,6 +233,8 @@ class CrtS3Tier(Tier):
         return errors
 
     def contains(self, key: str) -> bool:
+        if self._reads_via_boto3:
+            return self._admin.contains(key)
         status, _ = self._request("HEAD", key)
         return status != 404
 
@@ -236,6 +242,8 @@ class CrtS3Tier(Tier):
         return self._admin._pool_map(self.contains, keys)
 
     def get(self, key: str) -> Stored | None:
+        if self._reads_via_boto3:
+            return self._admin.get(key)
         status, data = self._request("GET", key)
         return None if status == 404 else data
 
