@@ -105,16 +105,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             restart=True,
         ),
     }
+    s3_settings = {
+        "config_file": args.s3_config,
+        "local_cpu": False,
+        "local_disk": None,
+        "namespace": f"bench-ttft-{run_id}",
+    }
     if args.s3_config:
         plans["kvtier-s3"] = lambda: cold_then_warm(
-            server(
-                "kvtier-s3",
-                kvtier_transfer_config(
-                    {"config_file": args.s3_config, "local_cpu": False, "local_disk": None}
-                    | {"namespace": f"bench-{run_id}"}
-                ),
-            ),
-            restart=True,
+            server("kvtier-s3", kvtier_transfer_config(s3_settings)), restart=True
         )
     for name in SCENARIOS:
         if name in plans and name in args.scenarios:
@@ -122,6 +121,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             cold, warm = plans[name]()
             results[name] = {"cold": cold, "warm": warm}
 
+    if "kvtier-s3" in results:
+        _delete_namespace(s3_settings)
     med = {n: {k: _median(v) for k, v in r.items()} for n, r in results.items()}
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
@@ -156,6 +157,22 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios,
         "logs": str(work),
     }
+
+
+def _delete_namespace(settings: dict[str, Any]) -> None:
+    """Remove the chunks this run wrote to S3 (its own namespace)."""
+    from kvtier.config import load_config
+    from kvtier.tiers.s3 import make_boto3_client
+
+    cfg = load_config(settings)
+    client = make_boto3_client(cfg)
+    prefix = "/".join(p for p in (cfg.s3_prefix, cfg.namespace) if p) + "/"
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=cfg.s3_bucket, Prefix=prefix
+    ):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=cfg.s3_bucket, Delete={"Objects": keys, "Quiet": True})
 
 
 def format_table(report: dict[str, Any]) -> str:

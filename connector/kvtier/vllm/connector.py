@@ -65,6 +65,20 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     plan: StepPlan = field(default_factory=StepPlan)
 
 
+def _warm_up(store: TieredStore) -> None:
+    """Open the slow tiers' connections now (boto3 builds its client and pool lazily), so the
+    first request after a restart does not pay for it. Asks for absent keys straight from
+    the tiers: nothing is stored and the store's counters stay untouched."""
+    keys = [store.key(f"{i:032x}") for i in range(16)]
+    for tier in store.tiers:
+        if tier.name == "cpu":
+            continue
+        try:
+            tier.contains_many(keys)
+        except Exception as exc:  # only a warm-up: the real requests report real failures
+            log.info("kvtier: warming up the %s tier failed: %s", tier.name, exc)
+
+
 def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
     size = int(vllm_config.parallel_config.tensor_parallel_size)
     if role != KVConnectorRole.WORKER or size == 1:
@@ -110,9 +124,23 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.cfg.remote_url,
         )
         if role == KVConnectorRole.SCHEDULER:
+            self._require_recompute_on_load_failure()
             self._init_scheduler()
 
     # ------------------------------------------------------------------ setup
+    def _require_recompute_on_load_failure(self) -> None:
+        """A cache miss must never fail a request: vLLM's default policy ("fail") would turn a
+        corrupted or vanished chunk into an error for the user. vLLM's scheduler reads the
+        policy right after creating this connector, so setting it here takes effect."""
+        cfg = self._kv_transfer_config
+        if cfg.kv_load_failure_policy != "recompute":
+            log.info(
+                "kvtier: setting kv_load_failure_policy=recompute (was %r): chunks that fail "
+                "to load are recomputed, never an error",
+                cfg.kv_load_failure_policy,
+            )
+            cfg.kv_load_failure_policy = "recompute"
+
     def _init_scheduler(self) -> None:
         cfg = self.cfg
         # The worker's CPU tier is not ours to see. Stats go to a subdirectory: in single-process
@@ -121,6 +149,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         shared = dataclasses.replace(cfg, local_cpu=False, stats_dir=stats)
         if shared.local_disk or shared.remote_url:
             self._lookup_store = TieredStore.from_config(shared, self.fingerprint)
+            _warm_up(self._lookup_store)
         store = self._lookup_store
         disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
         blocks = cfg.chunk_size // self.layout.block_size
@@ -141,6 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors = check_tensors(self.layout, kv_caches)
         store = TieredStore.from_config(self.cfg, self.fingerprint)
+        _warm_up(store)
         self._worker = WorkerSide(
             store, BlockCopier(self.layout, tensors), self.cfg.blocking_timeout_secs
         )

@@ -72,10 +72,11 @@ class WorkerSide:
             self._count("load_timeouts")
             payloads = {}
         fetched = time.perf_counter()
+        loaded_chunks = loaded_tokens = 0
         for spec in specs:
             payload = payloads.get(spec.chunk_hash)
             if payload is None:
-                self._fail(spec, "missing")
+                self._fail(spec, "not in any tier, or failed verification")
                 continue
             try:
                 self.copier.scatter(payload, spec.stored_blocks, spec.first, spec.block_ids)
@@ -83,15 +84,17 @@ class WorkerSide:
                 log.warning("kvtier: cannot load chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
                 self._fail(spec, "unusable")
                 continue
-            self._count("loaded_chunks")
-            self._count("loaded_tokens", spec.num_tokens)
+            loaded_chunks += 1
+            loaded_tokens += spec.num_tokens
+        self._count("loaded_chunks", loaded_chunks)
+        self._count("loaded_tokens", loaded_tokens)
         elapsed = time.perf_counter() - start
         self._count("load_seconds", elapsed)
         log.info(
             "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms)",
-            sum(1 for s in specs if payloads.get(s.chunk_hash) is not None),
+            loaded_chunks,
             len(specs),
-            sum(s.num_tokens for s in specs),
+            loaded_tokens,
             elapsed * 1000,
             (fetched - start) * 1000,
         )

@@ -28,7 +28,10 @@ def e2e_root() -> Iterator[Path]:
     """Private scratch dir for the session (pytest's basetemp is rotated by concurrent runs)."""
     root = Path(tempfile.mkdtemp(prefix="kvtier-e2e-"))
     yield root
-    shutil.rmtree(root, ignore_errors=True)
+    if os.environ.get("KVTIER_E2E_KEEP"):  # keep server logs for debugging
+        print(f"kvtier e2e: kept {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
