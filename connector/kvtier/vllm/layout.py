@@ -209,15 +209,34 @@ class BlockCopier:
     ) -> None:
         """Write blocks ``first .. first+len(block_ids)`` of a payload holding `stored_blocks`
         blocks per layer into `block_ids` of every layer."""
-        import torch
+        self.scatter_many([(payload, stored_blocks, first, block_ids)])
 
+    def check_payload(self, payload: bytes | memoryview, stored_blocks: int) -> None:
         expected = self.layout.payload_nbytes(stored_blocks)
         if len(payload) != expected:
             raise LayoutError(f"payload has {len(payload)} bytes, expected {expected}")
+
+    def scatter_many(
+        self, items: Sequence[tuple[bytes | memoryview, int, int, Sequence[int]]]
+    ) -> None:
+        """`scatter` for several (payload, stored_blocks, first, block_ids), copying each
+        payload once, straight from the fetched bytes into the KV cache."""
+        import warnings
+
+        import torch
+
+        if not items:
+            return
         t0 = self.tensors[0]
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(t0.dtype)
-        src = src.view(self.layout.num_layers, stored_blocks, *t0.shape[1:])
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=t0.device)
-        part = src[:, first : first + len(block_ids)]
-        for i, t in enumerate(self.tensors):
-            t.index_copy_(0, idx, part[i].to(t.device, non_blocking=False))
+        for payload, stored_blocks, first, block_ids in items:
+            self.check_payload(payload, stored_blocks)
+            with warnings.catch_warnings():
+                # Read-only buffer: torch warns that writing through it would be undefined;
+                # it is only read here (one copy, straight into the KV cache).
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(payload, dtype=torch.uint8)
+            src = src.view(t0.dtype).view(self.layout.num_layers, stored_blocks, *t0.shape[1:])
+            part = src[:, first : first + len(block_ids)]
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=t0.device)
+            for i, t in enumerate(self.tensors):
+                t.index_copy_(0, idx, part[i].to(t.device))

@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 from kvtier.stats import StoreStats
-from kvtier.vllm.layout import BlockCopier
+from kvtier.vllm.layout import BlockCopier, LayoutError
 from kvtier.vllm.scheduler import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
@@ -72,20 +72,27 @@ class WorkerSide:
             self._count("load_timeouts")
             payloads = {}
         fetched = time.perf_counter()
-        loaded_chunks = loaded_tokens = 0
+        ready: list[tuple[LoadSpec, bytes]] = []
         for spec in specs:
             payload = payloads.get(spec.chunk_hash)
             if payload is None:
                 self._fail(spec, "not in any tier, or failed verification")
                 continue
             try:
-                self.copier.scatter(payload, spec.stored_blocks, spec.first, spec.block_ids)
-            except Exception as exc:  # a bad chunk must become a recompute, never a crash
-                log.warning("kvtier: cannot load chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
-                self._fail(spec, "unusable")
+                self.copier.check_payload(payload, spec.stored_blocks)
+            except LayoutError as exc:
+                self._fail(spec, str(exc))
                 continue
-            loaded_chunks += 1
-            loaded_tokens += spec.num_tokens
+            ready.append((spec, payload))
+        try:
+            self.copier.scatter_many([(p, s.stored_blocks, s.first, s.block_ids) for s, p in ready])
+        except Exception as exc:  # a bad copy must become a recompute, never a crash
+            log.warning("kvtier: cannot write loaded chunks: %s", exc, exc_info=True)
+            for spec, _ in ready:
+                self._fail(spec, "copy failed")
+            ready = []
+        loaded_chunks = len(ready)
+        loaded_tokens = sum(s.num_tokens for s, _ in ready)
         self._count("loaded_chunks", loaded_chunks)
         self._count("loaded_tokens", loaded_tokens)
         elapsed = time.perf_counter() - start
