@@ -179,3 +179,30 @@ def test_object_survives_restart_of_every_ceph_daemon(host: Any, s3: Any, key: s
     wait_until(endpoint_ok, 120, "the S3 endpoint")
     got = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     assert hashlib.sha256(got).hexdigest() == hashlib.sha256(body).hexdigest()
+
+
+def test_killed_radosgw_is_restarted(host: Any) -> None:
+    """Daemons outlive the play: the service manager restarts a gateway that died."""
+    port = host.socket(f"tcp://127.0.0.1:{RGW_PORTS[-1]}")
+    before = host.check_output(f"supervisorctl pid {RGW_PROGRAMS[-1]}")
+    host.check_output(f"kill -9 {before}")
+    wait_until(
+        lambda: host.check_output(f"supervisorctl pid {RGW_PROGRAMS[-1]}") not in ("0", before),
+        60,
+        "supervisor to restart the killed radosgw",
+    )
+    wait_until(lambda: port.is_listening, 60, "the restarted radosgw to listen")
+
+
+def test_pool_drift_is_corrected_and_only_the_drift(host: Any) -> None:
+    """ceph_pools reads the pools and changes only what differs from the inventory."""
+    pool = "default.rgw.log"
+    host.check_output(f"ceph osd pool set {pool} pg_autoscale_mode warn")
+    env = f"ANSIBLE_CONFIG={REPO}/ansible.cfg ANSIBLE_NOCOLOR=1"
+    run = host.run(f"cd {REPO} && {env} .venv/bin/ansible-playbook -v site.yml --tags ceph_pools")
+    assert run.rc == 0, run.stdout[-2000:]
+    assert "osd pool set default.rgw.log pg_autoscale_mode off" in run.stdout
+    recap = [line for line in run.stdout.splitlines() if line.startswith("localhost")]
+    assert recap and "changed=1 " in recap[-1], recap
+    pools = {p["pool_name"]: p for p in ceph_json(host, "osd", "pool", "ls", "detail")}
+    assert pools[pool]["pg_autoscale_mode"] == "off"
