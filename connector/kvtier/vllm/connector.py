@@ -172,7 +172,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         store = TieredStore.from_config(self.cfg, self.fingerprint)
         _warm_up(store)
         self._worker = WorkerSide(
-            store, BlockCopier(self.layout, tensors), self.cfg.blocking_timeout_secs
+            store,
+            BlockCopier(self.layout, tensors),
+            self.cfg.blocking_timeout_secs,
+            parallel_fetch=any(t.name not in ("cpu", "disk") for t in store.tiers),
         )
 
     @property
@@ -296,6 +299,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self._worker is not None:
+            log.info("kvtier: worker shutting down, flushing background writes")
             self._worker.close(self.cfg.blocking_timeout_secs)
             self._worker = None
         if self._lookup_store is not None:

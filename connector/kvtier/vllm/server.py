@@ -33,6 +33,10 @@ FAST_CPU_ARGS: tuple[str, ...] = (
     "536870912",
     "--max-model-len",
     "32768",
+    # Let the engine shut down its connector (which flushes background writes) on SIGTERM;
+    # vLLM's default 0 kills the engine at once.
+    "--shutdown-timeout",
+    "10",
 )
 FAST_CPU_ENV: Mapping[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class ChunkStore(Protocol):
     """The part of kvtier.store.TieredStore the worker uses."""
 
+    def get(self, chunk_hash: str) -> bytes | None: ...
     def get_many(self, hashes: Sequence[str]) -> list[bytes | None]: ...
     def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None: ...
     def stats(self) -> StoreStats: ...
@@ -36,8 +37,19 @@ class ChunkStore(Protocol):
 
 
 class WorkerSide:
-    def __init__(self, store: ChunkStore, copier: BlockCopier, timeout_secs: float) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        copier: BlockCopier,
+        timeout_secs: float,
+        *,
+        parallel_fetch: bool = True,
+    ) -> None:
         self.store = store
+        # Local tiers (memory, page cache) answer faster one by one than through a thread
+        # pool (measured: 64 chunks from disk 7-16 ms sequential vs 18-27 ms pooled); a
+        # remote tier needs the parallelism to hide its latency.
+        self._fetch = store.get_many if parallel_fetch else self._get_sequential
         self.copier = copier
         self.timeout_secs = timeout_secs
         # One thread waits on the store so a stalled tier cannot hold the forward pass
@@ -59,7 +71,7 @@ class WorkerSide:
             return
         start = time.perf_counter()
         hashes = list(dict.fromkeys(s.chunk_hash for s in specs))
-        fut = self._fetcher.submit(self.store.get_many, hashes)
+        fut = self._fetcher.submit(self._fetch, hashes)
         try:
             payloads = dict(zip(hashes, fut.result(timeout=self.timeout_secs), strict=True))
         except FutureTimeout:
@@ -105,6 +117,9 @@ class WorkerSide:
             elapsed * 1000,
             (fetched - start) * 1000,
         )
+
+    def _get_sequential(self, hashes: Sequence[str]) -> list[bytes | None]:
+        return [self.store.get(h) for h in hashes]
 
     def _fail(self, spec: LoadSpec, cause: str) -> None:
         log.warning(
