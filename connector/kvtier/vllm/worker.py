@@ -85,15 +85,21 @@ class WorkerSide:
             payloads = {}
         fetched = time.perf_counter()
         ready: list[tuple[LoadSpec, bytes]] = []
-        for spec in specs:
+        broken: set[str] = set()  # requests with a failed chunk: vLLM recomputes from there
+        for spec in specs:  # in prompt order per request (as planned)
             payload = payloads.get(spec.chunk_hash)
+            if spec.req_id in broken:
+                self._fail(spec, "follows a chunk that failed")
+                continue
             if payload is None:
                 self._fail(spec, "not in any tier, or failed verification")
+                broken.add(spec.req_id)
                 continue
             try:
                 self.copier.check_payload(payload, spec.stored_blocks)
             except LayoutError as exc:
                 self._fail(spec, str(exc))
+                broken.add(spec.req_id)
                 continue
             ready.append((spec, payload))
         try:

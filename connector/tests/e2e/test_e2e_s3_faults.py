@@ -14,10 +14,12 @@ import pytest
 from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
 
 from kvtier.format import HEADER_SIZE
+from kvtier.keys import chunk_hashes
 from kvtier.vllm.server import VllmServer
 
 DELETED = prompt(4_000, seed=11)
 CORRUPTED = prompt(4_000, seed=12)
+MIDDLE = len(CORRUPTED) // CHUNK // 2
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,9 @@ def corrupted(server: VllmServer, s3_target: S3Target) -> dict[str, Any]:
     s3_target.clear()
     cold = server.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
     objs = s3_target.wait_for_objects(len(CORRUPTED) // CHUNK)
-    key = sorted(objs)[len(objs) // 2]
+    # The middle chunk: the ones before it still load, it and the rest are recomputed.
+    middle = chunk_hashes(CORRUPTED, CHUNK)[MIDDLE]
+    key = next(k for k in objs if k.endswith("/" + middle))
     original = s3_target.client().get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
     _corrupt(s3_target, key, original)
     return {"cold": cold, "key": key, "original": original}
@@ -71,8 +75,11 @@ def test_corrupted_object_is_detected_and_recomputed(
     c = Counters(server)
     out = server.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:tier_errors_total", tier="s3") >= 1, server.log_tail()
-    assert c.delta("kvtier:load_failed_tokens_total") >= CHUNK
-    assert c.delta("kvtier:loaded_tokens_total") > 0  # the intact chunks still load
+    # Chunks before the corrupted one load; from it on, vLLM recomputes (counted as failed).
+    assert c.delta("kvtier:loaded_tokens_total") == MIDDLE * CHUNK
+    assert c.delta("kvtier:load_failed_tokens_total") == c.delta("kvtier:hit_tokens_total") - (
+        MIDDLE * CHUNK
+    )
     assert out.token_ids == corrupted["cold"].token_ids
     assert "checksum" in server.log_text()
 
