@@ -135,14 +135,14 @@ class S3Bench:
 
 
 def _kvtier_s3_store(cfg: KvtierConfig, client: str, prefix: str, threads: int) -> TieredStore:
+    """A store with only the S3 tier, writing under ``prefix`` (a full key prefix)."""
     from kvtier.tiers.s3 import make_s3_tier
 
     sub = replace(
         cfg,
         s3_client=client,
-        extra_config=replace(
-            cfg.extra_config, s3_file_prefix=prefix, s3_max_io_concurrency=threads
-        ),
+        remote_url=f"s3://{cfg.s3_bucket}/{prefix}",
+        extra_config=replace(cfg.extra_config, s3_file_prefix="", s3_max_io_concurrency=threads),
     )
     tier: Tier = make_s3_tier(sub)
     return TieredStore([tier], _FP, io_threads=threads, max_inflight_writes=1 << 20)
@@ -158,7 +158,10 @@ def run_s3(
 ) -> list[Cell]:
     """All clients, interleaved: each repetition runs every client once, PUTs first, then GETs,
     so that drift in the cluster (compaction after writes, cache) hits all clients alike."""
-    run_prefix = f"kvtier-bench/{uuid.uuid4().hex[:8]}"
+    # Everything this run writes lives under one prefix (inside the config's own prefix) and is
+    # deleted at the end. RGW frees deleted data only when its garbage collector runs
+    # (rgw_gc_obj_min_wait, 2 h by default): keep --total modest on a small cluster.
+    run_prefix = "/".join(p for p in (cfg.s3_prefix, f"kvtier-bench/{uuid.uuid4().hex[:8]}") if p)
     bench = S3Bench(cfg, run_prefix)
     cells: list[Cell] = []
     stores: list[tuple[str, TieredStore]] = []
@@ -169,11 +172,11 @@ def run_s3(
             body = os.urandom(size)
             payload = body[: size - 64] if size > 64 else b"x"
             hashes = chunk_hashes(list(range(n * 4)), 4)
-            warm_hashes = chunk_hashes(list(range(10**6, 10**6 + 4 * 64)), 4)
+            warm_hashes = chunk_hashes(list(range(10**6, 10**6 + 4 * 8)), 4)
             # warm up (pool creation, connections) outside the timings, for every client
-            warm = bench.keys("warm", 64)
-            bench.boto3_run("put", warm, body, 64)
-            bench.boto3_run("get", warm, body, 64)
+            warm = bench.keys(f"warm-{size}", 8)
+            bench.boto3_run("put", warm, body, 8)
+            bench.boto3_run("get", warm, body, 8)
             bench.crt_run("get", warm, body)
             runs: dict[str, tuple[Callable[[], int], Callable[[], int]]] = {}
             for t in threads:
@@ -230,7 +233,14 @@ def run_s3(
         for _, store in stores:
             store.close()
         bench.close()
-        _purge_prefix(bench, run_prefix)
+        try:
+            _purge_prefix(bench, run_prefix)
+        except Exception as exc:  # report what is left rather than hide the results
+            print(
+                f"warning: could not delete the benchmark objects under "
+                f"s3://{bench.bucket}/{run_prefix}/: {exc}",
+                file=sys.stderr,
+            )
     return cells
 
 

@@ -17,6 +17,8 @@ import yaml
 from conftest import CephS3
 
 from kvtier.cli import main as cli_main
+from kvtier.config import load_config
+from kvtier.tiers.s3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
 
@@ -50,3 +52,7 @@ def test_bench_store_reports_every_client(
     assert "raw sequential read" in clients
     assert all(c["errors"] == 0 and c["mib_s"] > 0 for c in doc["cells"])
     assert {(r["op"]) for r in doc["ratios"]} == {"put", "get"}
+    # the benchmark deletes everything it wrote
+    client = make_boto3_client(load_config(cfg))
+    left = client.list_objects_v2(Bucket=ceph_s3.bucket, Prefix="bench/")
+    assert left.get("KeyCount", 0) == 0

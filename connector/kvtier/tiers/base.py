@@ -12,11 +12,57 @@ cache existence: ``contains`` asks the medium, so objects deleted behind a tier'
 
 from __future__ import annotations
 
+import io
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 #: (header, payload) of one stored chunk.
 Stored = tuple[bytes, bytes]
+
+
+class ChunkReader(io.RawIOBase):
+    """A seekable read-only stream over header + payload, so a PUT body needs no joined copy
+    of the payload (S3 clients read it in pieces, and seek back to retry)."""
+
+    def __init__(self, header: bytes, payload: bytes) -> None:
+        super().__init__()
+        self._parts = (memoryview(header), memoryview(payload))
+        self._size = len(header) + len(payload)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written = 0
+        head = len(self._parts[0])
+        while written < len(out) and self._pos < self._size:
+            part, start = (
+                (self._parts[0], self._pos)
+                if self._pos < head
+                else (self._parts[1], self._pos - head)
+            )
+            n = min(len(out) - written, len(part) - start)
+            out[written : written + n] = part[start : start + n]
+            written += n
+            self._pos += n
+        return written
 
 
 class TierError(RuntimeError):

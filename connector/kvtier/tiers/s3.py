@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.format import HEADER_SIZE
-from kvtier.tiers.base import Stored, Tier, TierError
+from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -177,9 +177,12 @@ class Boto3S3Tier(Tier):
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         okey = self.object_key(key)
-        body = header + payload  # one body for signing and retries; writes run in the background
         self._call(
-            "PUT", okey, lambda: self._client.put_object(Bucket=self.bucket, Key=okey, Body=body)
+            "PUT",
+            okey,
+            lambda: self._client.put_object(
+                Bucket=self.bucket, Key=okey, Body=ChunkReader(header, payload)
+            ),
         )
 
     def delete(self, key: str) -> None:

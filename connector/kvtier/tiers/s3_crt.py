@@ -23,7 +23,7 @@ from urllib.parse import quote, urlparse
 
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.format import HEADER_SIZE
-from kvtier.tiers.base import Stored, Tier, TierError
+from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
 from kvtier.tiers.s3 import Boto3S3Tier
 
 
@@ -164,7 +164,7 @@ class CrtS3Tier(Tier):
     def object_key(self, key: str) -> str:
         return self._admin.object_key(key)
 
-    def _start(self, method: str, okey: str, body: bytes | None = None) -> _Pending:
+    def _start(self, method: str, okey: str, body: bytes | ChunkReader | None = None) -> _Pending:
         """Send one request for object key ``okey`` (already prefixed); don't wait."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
@@ -175,7 +175,7 @@ class CrtS3Tier(Tier):
         if body is not None:
             headers.add("Content-Length", str(len(body)))
             headers.add("Content-Type", "application/octet-stream")
-            stream = io.BytesIO(body)
+            stream = body if isinstance(body, ChunkReader) else io.BytesIO(body)
         request = HttpRequest(method, path, headers, stream)
         kind = {"GET": S3RequestType.GET_OBJECT, "PUT": S3RequestType.PUT_OBJECT}.get(
             method, S3RequestType.DEFAULT
@@ -209,7 +209,7 @@ class CrtS3Tier(Tier):
         return pending.status or 200, pending.stored()
 
     def _request(
-        self, method: str, key: str, body: bytes | None = None
+        self, method: str, key: str, body: bytes | ChunkReader | None = None
     ) -> tuple[int, Stored | None]:
         return self._finish(self._start(method, self.object_key(key), body))
 
@@ -248,7 +248,7 @@ class CrtS3Tier(Tier):
         return None if status == 404 else data
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
-        self._request("PUT", key, header + payload)
+        self._request("PUT", key, ChunkReader(header, payload))
 
     def delete(self, key: str) -> None:
         self._admin.delete(key)
