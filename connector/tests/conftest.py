@@ -5,16 +5,19 @@ If the endpoint of the local inventory is not up, the fixture runs
 the session, ``playbooks/teardown.yml`` — it removes only what it started. A cluster that was
 already up is used as it is and left running.
 
-Pytest sessions on one machine coordinate through an advisory lock: the session that deploys
-holds it exclusively while deploying; every session then holds it shared while it uses the
-endpoint; the deploying session tears down only once it gets the lock exclusively again, i.e.
-after every other session is done with the endpoint.
+Pytest sessions on one machine coordinate through an advisory lock (/tmp/kvtier-ceph-s3.lock):
+every session holds it shared while it uses the endpoint; a session that finds the endpoint
+down takes it exclusively to deploy; the deploying session tears down only once it gets the
+lock exclusively again, i.e. after every other session is done with the endpoint. Anything
+else that must not lose the cluster (a long manual test) can hold it shared too:
+`flock -s /tmp/kvtier-ceph-s3.lock <command>`.
 """
 
 from __future__ import annotations
 
 import configparser
 import fcntl
+import json
 import os
 import pwd
 import subprocess
@@ -86,6 +89,23 @@ def _read_profile(home: Path, profile: str, bucket: str) -> CephS3 | None:
     )
 
 
+def _health_problem() -> str | None:
+    """Why the cluster cannot serve S3 (HEALTH_ERR, e.g. a full OSD blocks every write), or None."""
+    try:
+        done = subprocess.run(
+            ["ceph", "health", "--format", "json"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`ceph health` failed: {err}"
+    if done.returncode != 0:
+        return f"`ceph health` failed (rc={done.returncode}): {done.stderr.strip()}"
+    health = json.loads(done.stdout)
+    if health.get("status") != "HEALTH_ERR":
+        return None
+    checks = {name: c["summary"]["message"] for name, c in health.get("checks", {}).items()}
+    return f"the local Ceph cluster is HEALTH_ERR: {checks} (see `ceph health detail`)"
+
+
 def _playbook(*args: str) -> None:
     if not ANSIBLE_PLAYBOOK.exists():
         pytest.fail(f"{ANSIBLE_PLAYBOOK} is missing: run `make collections` first")
@@ -123,24 +143,35 @@ def ceph_s3() -> Iterator[CephS3]:
     profile, bucket = str(values["aws_profile_name"]), str(values["rgw_bucket_name"])
     user = str(values.get("kvtier_user_name", "kvtier"))
 
-    lock = _lock(fcntl.LOCK_EX)
-    started = False
-    try:
+    endpoint = f"http://{address}:{port}/"
+
+    def current() -> CephS3 | None:
         try:
             home = Path(pwd.getpwnam(user).pw_dir)
-            found = _read_profile(home, profile, bucket)
         except KeyError:
-            found = None
-        if found is None or not _endpoint_up(f"http://{address}:{port}/"):
-            if os.geteuid() != 0:
-                pytest.fail("the local Ceph S3 endpoint is down and deploying it needs root")
-            started = not _endpoint_up(f"http://{address}:{port}/")
-            _playbook("site.yml", "--tags", "ceph")
-            home = Path(pwd.getpwnam(user).pw_dir)
-            found = _read_profile(home, profile, bucket)
+            return None
+        found = _read_profile(home, profile, bucket)
+        return found if found is not None and _endpoint_up(endpoint) else None
+
+    lock = _lock(fcntl.LOCK_SH)  # a running endpoint is shared: no waiting on other sessions
+    started = False
+    try:
+        found = current()
         if found is None:
-            pytest.fail(f"the playbook ran but wrote no AWS profile '{profile}' for user {user}")
-        fcntl.flock(lock, fcntl.LOCK_SH)  # others may use the endpoint alongside us now
+            fcntl.flock(lock, fcntl.LOCK_EX)  # deploy alone; re-check, another may have done it
+            found = current()
+            if found is None:
+                if os.geteuid() != 0:
+                    pytest.fail("the local Ceph S3 endpoint is down and deploying it needs root")
+                started = not _endpoint_up(endpoint)
+                _playbook("site.yml", "--tags", "ceph")
+                found = current()
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        if found is None:
+            pytest.fail(f"after the playbook, {endpoint} or AWS profile '{profile}' is missing")
+        problem = _health_problem()
+        if problem:
+            pytest.fail(problem)
         yield found
     finally:
         if started:
