@@ -11,10 +11,10 @@ import json
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from conftest import CephS3
 
 from kvtier.cli import main as cli_main
 from kvtier.config import load_config
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_bench_store_reports_every_client(
-    ceph_s3: CephS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ceph_s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(ceph_s3.credentials_file))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(ceph_s3.config_file))

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from _helpers import FINGERPRINT, chunks
-from conftest import CephS3
 
 from kvtier.cli import main as cli_main
 from kvtier.config import KvtierConfig, load_config
@@ -73,7 +72,7 @@ def s3(
             tmp_path,
         )
     else:
-        fx: CephS3 = request.getfixturevalue("ceph_s3")
+        fx = request.getfixturevalue("ceph_s3")  # conftest.CephS3
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(fx.credentials_file))
         monkeypatch.setenv("AWS_CONFIG_FILE", str(fx.config_file))
         env = S3Env(
