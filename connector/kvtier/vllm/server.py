@@ -180,7 +180,9 @@ class VllmServer:
             return "<no log>"
 
     def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """The log of the current run (since the last start)."""
+        text = self.log_path.read_text(errors="replace")
+        return text[text.rfind("\n==== start ") :]
 
     # ------------------------------------------------------------------ requests
     def complete(
