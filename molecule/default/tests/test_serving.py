@@ -1,0 +1,215 @@
+"""What users see of the vLLM server on the converged site: a supervisor (or systemd) service
+run by the serving user, healthy, guarding /v1 with the gateway profile's key (which never shows
+in the process's argv), answering `kvtier gateway test`, with kvtier's tiers reachable, and a
+prompt sent again after a service restart served from kvtier's cache with the same output."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier.model import sample_text
+from kvtier.vllm.server import metric_sum, parse_metrics
+
+REPO = Path(__file__).resolve().parents[3]
+LOCAL_VARS = REPO / "inventories" / "local" / "group_vars" / "all"
+
+
+def _vars() -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for role in ("gateway_profile", "nvme_cache", "vllm_server"):
+        values.update(yaml.safe_load((REPO / "roles" / role / "defaults" / "main.yml").read_text()))
+    for name in ("kvtier.yml", "ceph.yml", "nvme_cache.yml", "gateway.yml", "vllm_server.yml"):
+        values.update(yaml.safe_load((LOCAL_VARS / name).read_text()))
+    return values
+
+
+VARS = _vars()
+USER = VARS["kvtier_user_name"]
+SERVICE = VARS["vllm_server_service_name"]
+VENV = VARS["vllm_server_venv"].replace("{{ vllm_server_version }}", VARS["vllm_server_version"])
+BASE = f"http://{VARS['vllm_server_host']}:{VARS['vllm_server_port']}"
+MODEL = VARS["vllm_server_served_model_name"]
+KEY_FILE = VARS["gateway_profile_api_key_file"].replace(
+    "{{ gateway_profile_name }}", VARS["gateway_profile_name"]
+)
+CONFIG_FILE = VARS["vllm_server_kvtier_config_file"]
+CHUNK = VARS["vllm_server_kvtier_chunk_size"]
+
+
+def _key(host: Any) -> str:
+    return str(host.file(KEY_FILE).content_string.strip())
+
+
+def _as_user(host: Any, command: str) -> Any:
+    return host.run(f"runuser -u {USER} -- {command}")
+
+
+def _systemd(host: Any) -> bool:
+    return bool(host.file("/run/systemd/system").is_directory)
+
+
+def _server_pid(host: Any) -> int:
+    if _systemd(host):
+        return int(host.check_output(f"systemctl show --property MainPID --value {SERVICE}"))
+    return int(host.check_output(f"supervisorctl pid {SERVICE}"))
+
+
+def _request(
+    path: str, key: str | None = None, body: dict[str, Any] | None = None, timeout: float = 300
+) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(BASE + path, data, headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return int(response.status), response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _metrics() -> dict[str, float]:
+    status, body = _request("/metrics")
+    assert status == 200
+    return parse_metrics(body.decode())
+
+
+def _wait_healthy(timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if _request("/health", timeout=5)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"{BASE}/health did not answer 200 within {timeout} s")
+
+
+def test_service_is_a_supervisor_program_run_by_the_serving_user(host: Any) -> None:
+    if _systemd(host):
+        assert host.service(SERVICE).is_enabled
+        assert host.service(SERVICE).is_running
+    else:
+        status = host.check_output(f"supervisorctl status {SERVICE}")
+        assert re.search(rf"^{SERVICE}\s+RUNNING", status), status
+    pid = _server_pid(host)
+    assert host.process.get(pid=pid).user == USER
+    argv = host.file(f"/proc/{pid}/cmdline").content_string.split("\0")
+    assert argv[:3] == [f"{VENV}/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "KVTierConnector"
+    assert transfer["kv_connector_extra_config"] == {"config_file": CONFIG_FILE}
+    assert argv[argv.index("--shutdown-timeout") + 1] == "10"
+
+
+def test_api_key_reaches_vllm_through_the_environment_only(host: Any) -> None:
+    pid = _server_pid(host)
+    key = _key(host)
+    assert key not in host.file(f"/proc/{pid}/cmdline").content_string
+    environ = host.file(f"/proc/{pid}/environ").content_string.split("\0")
+    assert f"VLLM_API_KEY={key}" in environ
+    for name in (
+        "supervisor/conf.d/" + SERVICE + ".conf",
+        "systemd/system/" + SERVICE + ".service",
+    ):
+        definition = host.file(f"/etc/{name}")
+        if definition.exists:
+            assert key not in definition.content_string
+
+
+def test_health_answers(host: Any) -> None:
+    assert _request("/health")[0] == 200
+
+
+def test_models_needs_the_api_key(host: Any) -> None:
+    assert _request("/v1/models")[0] == 401
+    assert _request("/v1/models", key="sk-wrong")[0] == 401
+    status, body = _request("/v1/models", key=_key(host))
+    assert status == 200
+    assert [model["id"] for model in json.loads(body)["data"]] == [MODEL]
+
+
+def test_kvtier_config_comes_from_the_inventory(host: Any) -> None:
+    config = yaml.safe_load(host.file(CONFIG_FILE).content_string)
+    assert config["local_disk"] == VARS["nvme_cache_mount_path"]
+    assert config["remote_url"] == f"s3://{VARS['rgw_bucket_name']}/kv"
+    assert config["aws_profile"] == VARS["aws_profile_name"]
+    assert config["chunk_size"] == CHUNK
+    assert config["namespace"] == VARS["vllm_server_kvtier_namespace"]
+
+
+def test_gateway_test_passes_as_the_serving_user(host: Any) -> None:
+    result = _as_user(host, f"{VENV}/bin/kvtier gateway test")
+    assert result.rc == 0, result.stdout + result.stderr
+    assert f"model '{MODEL}' answered" in result.stdout
+
+
+def test_kvtier_doctor_passes_as_the_serving_user(host: Any) -> None:
+    result = _as_user(host, f"{VENV}/bin/kvtier doctor --config {CONFIG_FILE}")
+    assert result.rc == 0, result.stdout + result.stderr
+    assert " 0 failed" in result.stdout
+
+
+def _complete(key: str, prompt: str) -> tuple[str, int]:
+    status, body = _request(
+        "/v1/completions",
+        key=key,
+        body={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0},
+    )
+    assert status == 200, body[:500]
+    answer = json.loads(body)
+    return answer["choices"][0]["text"], int(answer["usage"]["prompt_tokens"])
+
+
+def _chunks(host: Any) -> dict[str, int]:
+    listing = _as_user(host, f"{VENV}/bin/kvtier ls --config {CONFIG_FILE}")
+    assert listing.rc == 0, listing.stderr
+    return {
+        m[0]: int(m[1])
+        for m in re.findall(r"^(disk|s3) \(.*\): (\d+) chunks", listing.stdout, re.M)
+    }
+
+
+def test_prompt_after_a_restart_is_served_from_the_cache(host: Any) -> None:
+    key = _key(host)
+    # A prompt no earlier run has sent (longer than the 2048-token prefill step), so the first
+    # answer is computed and the second can only come from what the first one stored.
+    prompt = sample_text(2600, seed=time.time_ns() % 1_000_000_007)
+    before = _chunks(host)
+    first_text, prompt_tokens = _complete(key, prompt)
+    assert prompt_tokens > 2048
+    assert metric_sum(_metrics(), "kvtier:saved_chunks_total") >= prompt_tokens // CHUNK
+
+    # supervisorctl stops the server with SIGTERM: the connector flushes disk/S3 writes.
+    if _systemd(host):
+        host.check_output(f"systemctl restart {SERVICE}")
+    else:
+        host.check_output(f"supervisorctl restart {SERVICE}")
+    _wait_healthy()
+    after_restart = _metrics()
+    assert metric_sum(after_restart, "kvtier:hit_tokens_total") == 0
+
+    stored = _chunks(host)
+    assert stored["disk"] - before["disk"] >= prompt_tokens // CHUNK
+    assert stored["s3"] - before["s3"] >= prompt_tokens // CHUNK
+
+    second_text, _ = _complete(key, prompt)
+    samples = _metrics()
+    hit = metric_sum(samples, "kvtier:hit_tokens_total")
+    # All full chunks but the last block, which vLLM always computes.
+    assert hit >= (prompt_tokens // CHUNK - 1) * CHUNK, samples
+    assert metric_sum(samples, "vllm:external_prefix_cache_hits_total") == hit
+    assert metric_sum(samples, "kvtier:loaded_tokens_total") == hit
+    assert metric_sum(samples, "kvtier:load_failed_tokens_total") == 0
+    assert second_text == first_text
