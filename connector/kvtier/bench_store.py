@@ -35,6 +35,7 @@ from typing import Any
 
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.keys import chunk_hashes
+from kvtier.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 
@@ -366,12 +367,8 @@ def _ratios(cells: list[Cell], kvtier_threads: int) -> list[dict[str, Any]]:
 
 
 def _plot(cells: list[Cell], path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     groups = sorted({(c.size, c.op) for c in cells})
     fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 4), squeeze=False)
@@ -380,9 +377,7 @@ def _plot(cells: list[Cell], path: str) -> str | None:
         ax.barh([c.client for c in sel], [c.mib_s for c in sel])
         ax.set_title(f"{op} {size // 1024} KiB objects")
         ax.set_xlabel("MiB/s")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return save(plt, fig, path)
 
 
 def register(subparsers: Any) -> None:
@@ -478,7 +473,6 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, f, indent=1)
     print(f"JSON: {path}")
     png = _plot(cells, os.path.join(args.out, f"bench-store-{stamp}.png"))
-    if png:
-        print(f"plot: {png}")
+    print(f"plot: {png}" if png else NO_MATPLOTLIB)
     failed = sum(c.errors for c in cells)
     return 1 if failed else 0

@@ -10,7 +10,8 @@ Scenarios (each its own vLLM server, same model, same flags, prefix caching on u
 ``--max-num-batched-tokens`` is set to at least the prompt length for every server, because the
 ExampleConnector breaks on prompts prefilled over several steps.
 
-Output: a table of medians and ratios, and the same as JSON (``--json``).
+Output: a table of medians and ratios, the same as JSON (``--json``), and a PNG bar plot of the
+medians with the ratios (``--plot``, default next to the JSON) when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
@@ -189,6 +191,39 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot_report(report: dict[str, Any], path: str) -> str | None:
+    """Median cold and warm TTFT per scenario as bars, the ratios listed below; written to
+    ``path`` (PNG). None when matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    med: dict[str, dict[str, float]] = report["median_ttft_seconds"]
+    names = list(med)
+    fig, (ax, notes) = plt.subplots(
+        2, 1, figsize=(max(6.0, 1.6 * len(names) + 2), 6.5), height_ratios=[4, 1]
+    )
+    width = 0.4
+    for i, (phase, label) in enumerate(
+        (("cold", "cold (first request)"), ("warm", "warm (repeat, or hit after restart)"))
+    ):
+        values = [med[n][phase] for n in names]
+        xs = [x + (i - 0.5) * width for x in range(len(names))]
+        bars = ax.bar(xs, values, width, label=label)
+        # v != v: NaN, the median of a scenario that measured nothing
+        ax.bar_label(bars, labels=["n/a" if v != v else f"{v:.3f}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("median TTFT (s)")
+    ax.set_title(
+        f"TTFT, {report['prompts']} prompts x {report['prompt_tokens']} tokens, {report['model']}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ratios = [f"{k}: {v:.3f}" for k, v in report["ratios"].items() if v is not None]
+    notes.axis("off")
+    notes.text(0, 1, "\n".join(ratios) or "no ratios (a scenario is missing)", va="top", fontsize=8)
+    return save(plt, fig, path)
+
+
 def _cmd(args: argparse.Namespace) -> int:
     if args.model is None:
         from kvtier.model import make_tiny
@@ -198,6 +233,13 @@ def _cmd(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"JSON: {args.json}")
+    png_path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png_path is None:
+        print("plot: none written (pass --plot or --json)")
+    else:
+        png = plot_report(report, png_path)
+        print(f"plot: {png}" if png else NO_MATPLOTLIB)
     return 0
 
 
@@ -220,4 +262,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--work-dir", help="logs and disk-tier dirs (default: a new temp dir)")
     p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", help="write the PNG bar plot here (default: the --json path, .png)")
     p.set_defaults(func=_cmd)
