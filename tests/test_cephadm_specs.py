@@ -8,7 +8,6 @@ cannot run here (no cephadm)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+from _ansible import BIN, REPO, ansible_env, run_playbook
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = REPO / ".venv" / "bin"
 SYSTEM_PYTHON = "/usr/bin/python3"
 sys.path.insert(0, str(REPO / "roles" / "ceph_rgw" / "library"))
 
@@ -30,10 +28,6 @@ from ceph.deployment.service_spec import ServiceSpec
 for doc in json.load(sys.stdin):
     ServiceSpec.from_json(doc).validate()
 """
-
-
-def ansible_env() -> dict[str, str]:
-    return {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
 
 
 def render(tmp_path: Path, **extra: Any) -> subprocess.CompletedProcess[str]:
@@ -48,19 +42,7 @@ def render(tmp_path: Path, **extra: Any) -> subprocess.CompletedProcess[str]:
         "ceph_rgw_backend_base_port": 8000,
         **extra,
     }
-    return subprocess.run(
-        [
-            str(BIN / "ansible-playbook"),
-            "tests/playbooks/render_rgw_specs.yml",
-            "-e",
-            json.dumps(extra_vars),
-        ],
-        cwd=REPO,
-        env=ansible_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_playbook("tests/playbooks/render_rgw_specs.yml", extra_vars, timeout=180)
 
 
 def rendered(tmp_path: Path, **extra: Any) -> list[dict[str, Any]]:

@@ -4,15 +4,8 @@ preflight tag, so a deployed profile is never touched."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
+from _ansible import run_playbook
 
 CASES = {
     "trailing slash": (
@@ -40,27 +33,7 @@ CASES = {
 
 @pytest.mark.parametrize("extra_vars, message", CASES.values(), ids=CASES.keys())
 def test_bad_value_fails_in_preflight(extra_vars: dict[str, object], message: str) -> None:
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-    }
-    run = subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "playbooks/profiles.yml",
-            "--tags",
-            "gateway_profile_preflight",
-            "-e",
-            json.dumps(extra_vars),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_playbook("playbooks/profiles.yml", extra_vars, "--tags", "gateway_profile_preflight")
     assert run.returncode != 0
     assert message in run.stdout
     assert "changed=0" in run.stdout

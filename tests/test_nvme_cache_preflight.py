@@ -9,7 +9,6 @@ changes nothing, and the teardown playbook removes all of it. Needs root (loop d
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,9 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _ansible import run_playbook
 
-REPO = Path(__file__).resolve().parents[1]
-ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 FSTAB = Path("/etc/fstab")
 
 pytestmark = pytest.mark.skipif(
@@ -34,21 +32,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 def _playbook(
     playbook: str, extra_vars: dict[str, object], *args: str
 ) -> subprocess.CompletedProcess[str]:
-    # JSON result format: messages appear verbatim (the YAML format re-quotes and folds them).
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-    }
-    return subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), playbook, "-e", json.dumps(extra_vars), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_playbook(playbook, extra_vars, *args, timeout=600)
 
 
 def _blkid(device: str) -> dict[str, str]:

@@ -4,8 +4,6 @@ message that names the variable (and, for versions, both versions). Runs the rea
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
@@ -13,39 +11,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _ansible import REPO, assert_fails_in_preflight, run_playbook
 
 from kvtier.vllm.version import SUPPORTED_VLLM_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
-ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 ROLE = REPO / "roles" / "vllm_server"
 
 
 def run_preflight(extra_vars: dict[str, object]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    return subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "site.yml",
-            "--tags",
-            "vllm_server_preflight",
-            "-e",
-            json.dumps(extra_vars),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def assert_fails_in_preflight(done: subprocess.CompletedProcess[str], message: str) -> None:
-    output = re.sub(r"\s+", " ", done.stdout + done.stderr)
-    assert done.returncode != 0, output[-2000:]
-    assert re.search(message, output), output[-3000:]
-    # Nothing was changed: the failure came before any role ran.
-    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", done.stdout), done.stdout[-2000:]
+    return run_playbook("site.yml", extra_vars, "--tags", "vllm_server_preflight")
 
 
 CASES = {
