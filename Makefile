@@ -57,7 +57,7 @@ lint: collections
 	$(BIN)/ansible-lint --offline --profile production
 
 test-unit: venv
-	$(BIN)/pytest -m "not integration and not e2e" -q
+	$(BIN)/pytest connector/tests -m "not integration and not e2e" -q
 
 test-molecule: collections
 	$(BIN)/molecule test --all
