@@ -86,6 +86,11 @@ class KvtierConfig:
     endpoint_url: str | None = None
     #: Tenant separation: chunks written under one namespace are never read under another.
     namespace: str = "default"
+    #: Namespaces a request may choose instead of ``namespace``, with
+    #: ``"kv_transfer_params": {"kvtier_namespace": "<name>"}`` in its body (kv_verify's
+    #: round trips use this, so they never touch production chunks). A request naming any
+    #: other namespace is served without kvtier, and a warning says why.
+    request_namespaces: tuple[str, ...] = ()
     #: S3 client: ``boto3``, ``crt`` (awscrt S3Client) or ``auto`` (PUT via awscrt, GET/HEAD via
     #: boto3: the faster/cheaper one per operation as measured, see docs/benchmarks.md).
     s3_client: str = "auto"
@@ -170,11 +175,21 @@ def _typed(key: str, value: Any, kind: type, where: str) -> Any:
         ok = False
     if not ok:
         raise ConfigError(f"key '{key}' in {where} must be {_kind_name(kind)}, got {value!r}")
+    if kind is list:
+        if not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"key '{key}' in {where} must be a list of strings, got {value!r}")
+        return tuple(value)
     return float(value) if kind is float else value
 
 
 def _kind_name(kind: type) -> str:
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+    names = {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list of strings",
+    }
     return names.get(kind, kind.__name__)
 
 
@@ -192,6 +207,7 @@ _TOP_TYPES: dict[str, type] = {
     "aws_profile": str,
     "endpoint_url": str,
     "namespace": str,
+    "request_namespaces": list,
     "s3_client": str,
     "stats_dir": str,
     "stats_interval_secs": float,
@@ -281,11 +297,14 @@ def _check_meaning(cfg: KvtierConfig, where: str) -> None:
             f"key 's3_client' in {where} must be one of {', '.join(_S3_CLIENTS)}, "
             f"got {cfg.s3_client!r}"
         )
-    if not _NAMESPACE_RE.match(cfg.namespace):
-        raise ConfigError(
-            f"key 'namespace' in {where} must be 1-64 characters of letters, digits, '.', '_', '-'"
-            f" (it becomes a path and object-key component), got {cfg.namespace!r}"
-        )
+    for key, name in [("namespace", cfg.namespace)] + [
+        ("request_namespaces", n) for n in cfg.request_namespaces
+    ]:
+        if not _NAMESPACE_RE.match(name):
+            raise ConfigError(
+                f"key '{key}' in {where}: a namespace is 1-64 characters of letters, digits,"
+                f" '.', '_', '-' (it becomes a path and object-key component), got {name!r}"
+            )
     if cfg.remote_url is not None:
         parsed = urlparse(cfg.remote_url)
         if parsed.scheme != "s3" or not parsed.netloc:

@@ -35,6 +35,11 @@ T = TypeVar("T")
 _LOOKUP_WINDOW = 32
 
 
+def _hash_bytes(chunk_id: str) -> bytes:
+    """The chunk hash of an id (``<hash>`` or ``<namespace>/<hash>``), as the header holds it."""
+    return bytes.fromhex(chunk_id.rpartition("/")[2])
+
+
 def _put_ok(tier: Tier, key: str, item: Stored) -> bool:
     tier.put(key, item[0], item[1])
     return True
@@ -111,7 +116,14 @@ class TieredStore:
         )
 
     def key(self, chunk_hash: str) -> str:
-        """The tier key of a chunk: ``<namespace>/<fingerprint>/<hash>``."""
+        """The tier key of a chunk: ``<namespace>/<fingerprint>/<hash>``.
+
+        A chunk id ``<namespace>/<hash>`` (a request that chose its own namespace) is filed
+        under that namespace instead of the store's.
+        """
+        namespace, sep, digest = chunk_hash.rpartition("/")
+        if sep:
+            return f"{namespace}/{self.fingerprint}/{digest}"
         return self._prefix + chunk_hash
 
     # ------------------------------------------------------------------ guarded tier calls
@@ -176,7 +188,7 @@ class TieredStore:
     def get(self, chunk_hash: str) -> bytes | None:
         """The verified payload of a chunk, promoted into faster tiers; ``None`` is a miss."""
         key = self.key(chunk_hash)
-        chunk = bytes.fromhex(chunk_hash)
+        chunk = _hash_bytes(chunk_hash)
         result: bytes | None = None
         for level, tier in enumerate(self.tiers):
             start = time.perf_counter()
@@ -230,7 +242,7 @@ class TieredStore:
         key = self.key(chunk_hash)
         if not isinstance(payload, bytes):  # a view of a buffer the caller will reuse
             payload = bytes(payload)
-        item = (pack_header(self._layout, bytes.fromhex(chunk_hash), num_tokens, payload), payload)
+        item = (pack_header(self._layout, _hash_bytes(chunk_hash), num_tokens, payload), payload)
         with self._lock:
             self._stats.puts += 1
             self._stats.put_bytes += len(payload)

@@ -85,6 +85,8 @@ def test_typo_in_extra_config(tmp_path: Path) -> None:
         ("remote_url: s3://A_B\n", "remote_url", "not a valid bucket"),
         ("remote_serde: cachegen\n", "remote_serde", "naive"),
         ("namespace: a/b\n", "namespace", "letters, digits"),
+        ("request_namespaces: verify\n", "request_namespaces", "a list of strings"),
+        ("request_namespaces: [ok, ../x]\n", "request_namespaces", "letters, digits"),
         ("endpoint_url: 127.0.0.1:7480\n", "endpoint_url", "http://host:port"),
         ("s3_client: curl\n", "s3_client", "auto, boto3, crt"),
         (

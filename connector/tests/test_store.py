@@ -113,6 +113,20 @@ def test_other_layout_or_namespace_is_never_read(tmp_path: Path) -> None:
         assert store.stats().tiers["disk"].errors == {"layout_mismatch": 1}
 
 
+def test_chunk_id_with_a_namespace_is_filed_under_it(tmp_path: Path) -> None:
+    """``<namespace>/<hash>`` (a request's own namespace) lands in that namespace only."""
+    h, p = chunks(1)[0]
+    disk_dir = str(tmp_path / "disk")
+    with TieredStore([DiskTier(disk_dir, 1 << 30)], FINGERPRINT) as store:
+        store.put(f"verify/{h}", p, 256)
+        assert store.flush(10)
+        assert store.get(h) is None  # not in the store's own namespace
+        assert store.lookup_prefix([f"verify/{h}"]) == 1
+        assert store.get(f"verify/{h}") == p
+    assert (Path(disk_dir) / "verify" / FINGERPRINT).is_dir()
+    assert not (Path(disk_dir) / "default").exists()
+
+
 def test_broken_tier_is_a_miss_not_a_crash(tmp_path: Path) -> None:
     data = chunks(2)
     store = _store(tmp_path, cpu=1)  # CPU too small: everything goes to disk only

@@ -122,3 +122,40 @@ def test_chunk_size_must_be_a_multiple_of_block_size() -> None:
             cpu_index=CpuTierIndex(0),
             store_lookup=None,
         )
+
+
+def test_request_namespace_prefixes_every_chunk_id() -> None:
+    prompt = list(range(600))
+    stored = [f"verify/{h}" for h in chunk_hashes(prompt, CHUNK)]
+    s = make(stored)
+    # chunks stored under the default namespace do not count for a request in "verify"
+    assert make(chunk_hashes(prompt, CHUNK)).num_new_matched_tokens("r", prompt, 0, "verify") == 0
+    assert s.num_new_matched_tokens("r", prompt, 0, "verify") == 512
+    fresh = make()
+    fresh.num_new_matched_tokens("n", prompt, 0, "verify")
+    fresh.on_scheduled(
+        "n",
+        prompt=prompt,
+        block_ids=list(range(5)),
+        replace_blocks=True,
+        num_computed_tokens=0,
+        num_scheduled_tokens=600,
+    )
+    assert [sv.chunk_hash for sv in fresh.take_plan().saves] == stored
+
+
+def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
+    prompt = list(range(600))
+    s = make(chunk_hashes(prompt, CHUNK))
+    s.bypass("r")
+    assert s.num_new_matched_tokens("r", prompt, 0) == 0
+    s.on_scheduled(
+        "r",
+        prompt=prompt,
+        block_ids=list(range(5)),
+        replace_blocks=True,
+        num_computed_tokens=0,
+        num_scheduled_tokens=600,
+    )
+    plan = s.take_plan()
+    assert not plan.loads and not plan.saves

@@ -41,6 +41,9 @@ from kvtier.vllm.worker import WorkerSide
 
 log = logging.getLogger("kvtier.vllm")
 
+#: Key in a request's ``kv_transfer_params`` that picks one of ``request_namespaces``.
+REQUEST_NAMESPACE_PARAM = "kvtier_namespace"
+
 
 def _use_vllm_log_handlers() -> None:
     """Send kvtier's records (connector and store) to the server log, formatted like vLLM's."""
@@ -106,6 +109,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
         self._worker: WorkerSide | None = None
+        #: Requests served without kvtier (a namespace not allowed), warned about once each.
+        self._bypassed: set[str] = set()
         if self.cfg.enable_async_loading:
             log.info(
                 "kvtier: enable_async_loading is not implemented; loads run before the "
@@ -188,8 +193,25 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
+        params = getattr(request, "kv_transfer_params", None) or {}
+        namespace = params.get(REQUEST_NAMESPACE_PARAM)
+        if namespace == self.cfg.namespace:
+            namespace = None
+        if namespace is not None and namespace not in self.cfg.request_namespaces:
+            if request.request_id not in self._bypassed:
+                self._bypassed.add(request.request_id)
+                log.warning(
+                    "kvtier: request %s asks for namespace %r, which is not in request_namespaces"
+                    " %s of %s: serving it without kvtier (nothing loaded or saved)",
+                    request.request_id,
+                    namespace,
+                    list(self.cfg.request_namespaces),
+                    self.cfg.source,
+                )
+            self._scheduler.bypass(request.request_id)
+            return 0, False
         n = self._scheduler.num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids or [], num_computed_tokens
+            request.request_id, request.prompt_token_ids or [], num_computed_tokens, namespace
         )
         return n, False
 
@@ -241,6 +263,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request.request_id)
+        self._bypassed.discard(request.request_id)
         # Saves copy their blocks out within the step, so the blocks can be freed now.
         return False, None
 

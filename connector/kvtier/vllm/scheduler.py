@@ -77,6 +77,8 @@ class _Request:
     next_save: int = 0
     known_stored: int = 0
     partial_done: bool = False
+    #: False for a request that asked for a namespace it may not use: no load, no save.
+    enabled: bool = True
 
 
 @dataclass
@@ -166,13 +168,14 @@ class SchedulerSide:
         """Tokens of chunk k that a stored copy covers."""
         return min(self.chunk_size, st.prompt_len - k * self.chunk_size)
 
-    def _state(self, req_id: str, prompt: Sequence[int]) -> _Request:
+    def _state(self, req_id: str, prompt: Sequence[int], namespace: str | None = None) -> _Request:
         st = self._reqs.get(req_id)
         if st is None:
-            st = _Request(
-                prompt_len=len(prompt),
-                hashes=chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk),
-            )
+            hashes = chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk)
+            if namespace is not None:
+                # "<namespace>/<hash>": the store files the chunk under that namespace.
+                hashes = [f"{namespace}/{h}" for h in hashes]
+            st = _Request(prompt_len=len(prompt), hashes=hashes)
             self._reqs[req_id] = st
         return st
 
@@ -185,10 +188,20 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM hooks
     def num_new_matched_tokens(
-        self, req_id: str, prompt: Sequence[int], num_computed_tokens: int
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        num_computed_tokens: int,
+        namespace: str | None = None,
     ) -> int:
-        """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned)."""
-        st = self._state(req_id, prompt)
+        """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned).
+
+        ``namespace`` (a request's own, see `KvtierConfig.request_namespaces`) files the
+        request's chunks under that namespace instead of the configured one.
+        """
+        st = self._state(req_id, prompt, namespace)
+        if not st.enabled:
+            return 0
         if st.found_chunks is None:
             st.found_chunks, st.found_in_cpu = self._lookup(st.hashes)
             self.counters.lookup_requests += 1
@@ -198,6 +211,10 @@ class SchedulerSide:
         # Never the whole prompt: vLLM computes at least the last token to sample from it.
         loadable = min(found_tokens, st.prompt_len - 1) // self.block_size * self.block_size
         return max(0, loadable - num_computed_tokens)
+
+    def bypass(self, req_id: str) -> None:
+        """Serve the request without kvtier: nothing looked up, loaded or saved."""
+        self._reqs[req_id] = _Request(prompt_len=0, hashes=[], enabled=False)
 
     def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
         st = self._reqs.get(req_id)
@@ -294,6 +311,8 @@ class SchedulerSide:
         st.known_stored = max(st.known_stored, st.found_chunks)
 
     def _plan_saves(self, req_id: str, st: _Request, computed: int) -> None:
+        if not st.enabled:
+            return
         cs, bs = self.chunk_size, self.block_size
         limit = min(computed, st.prompt_len)
         full_chunks = st.prompt_len // cs
