@@ -420,14 +420,8 @@ def cmd_purge(args: argparse.Namespace, confirm: Callable[[str], str] = input) -
             print("aborted")
             return 1
     for tier, keys, _ in plan:
-        delete_many = getattr(tier, "delete_many", None)
         try:
-            if delete_many is not None:
-                deleted = delete_many(keys)
-            else:
-                for key in keys:
-                    tier.delete(key)
-                deleted = len(keys)
+            deleted = _delete(tier, keys)
         except TierError as exc:
             print(f"error: purge on {tier.name} stopped: {exc.cause}: {exc}", file=sys.stderr)
             return 1
@@ -435,3 +429,41 @@ def cmd_purge(args: argparse.Namespace, confirm: Callable[[str], str] = input) -
             tier.close()
         print(f"{tier.name}: deleted {deleted} chunks")
     return 0
+
+
+def _delete(tier: Tier, keys: list[str]) -> int:
+    delete_many = getattr(tier, "delete_many", None)
+    if delete_many is not None:
+        return int(delete_many(keys))
+    for key in keys:
+        tier.delete(key)
+    return len(keys)
+
+
+def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
+    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``).
+
+    Raises `TierError` when a tier cannot be listed.
+    """
+    counts: dict[str, int] = {}
+    for tier in _tiers(cfg, only):
+        try:
+            counts[tier.name] = sum(1 for _ in tier.list_keys(f"{namespace}/"))
+        finally:
+            tier.close()
+    return counts
+
+
+def purge_namespace(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
+    """Delete every chunk of ``namespace`` from the persistent tiers; chunks deleted per tier.
+
+    Raises `TierError` when a tier cannot be listed or a delete fails.
+    """
+    deleted: dict[str, int] = {}
+    for tier in _tiers(cfg, only):
+        try:
+            keys = [k for k, _ in tier.list_keys(f"{namespace}/")]
+            deleted[tier.name] = _delete(tier, keys)
+        finally:
+            tier.close()
+    return deleted

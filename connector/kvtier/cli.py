@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.admin",  # doctor, ls, stats, purge
     "kvtier.gateway",  # gateway profiles
     "kvtier.model",  # model make-tiny
+    "kvtier.verify",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
 )
 BENCH_MODULES: tuple[str, ...] = (
     "kvtier.bench_store",  # bench store

@@ -1,0 +1,607 @@
+"""`kvtier verify`: cold → restart → warm → purge → cold against one running vLLM server.
+
+The check operators run after every change (the ``kv_verify`` role runs it on each serving
+host). It works in its own namespace: every request carries
+``kv_transfer_params: {"kvtier_namespace": <namespace>}``, which the server's kvtier config must
+list in ``request_namespaces``, so production chunks are never read, written or purged.
+
+Steps (each a list of checks; the first failing step ends the run, the report says which check
+failed, what was expected and what was measured):
+
+1. channel: a minimal chat completion through the gateway profile answers with ``choices``.
+2. cold: purge the namespace from the disk and S3 tiers, send N documents of random token ids
+   (a new seed per run, so nothing anywhere can be cached); 0 tokens come from kvtier.
+3. restart: restart vLLM (empties its prefix cache and CPU tier), purge the namespace from the
+   host's disk tier, so the next round can only be served from Ceph; the bucket holds one object
+   per chunk of the documents.
+4. warm: the same requests; S3 served >= ``min_s3_share`` of the prompt tokens, median TTFT
+   warm/cold <= ``max_warm_cold_ratio``, outputs token-identical to the cold round.
+5. cold again: purge the namespace from every tier, restart, same requests: 0 tokens from
+   kvtier, median TTFT >= ``min_cold_again_ratio`` x the first cold round, identical outputs.
+
+The namespace is purged again at the end, whatever happened. Counters come from the server's
+``/metrics`` (deltas around each round): traffic of other clients during a round adds to them,
+so verify a host while it is drained of user traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.completions import Completion, CompletionError, stream_completion
+from kvtier.config import ConfigError, KvtierConfig, load_config
+from kvtier.tiers.base import TierError
+
+#: Ordinary vocabulary range of token ids for the random documents (any model with >= 8000
+#: tokens in its vocabulary; all common ones have far more).
+_TOKEN_RANGE = (300, 8000)
+
+#: Prometheus samples the report keeps (deltas per round); tier-labelled ones per tier.
+_COUNTERS = (
+    "kvtier:lookup_tokens_total",
+    "kvtier:hit_tokens_total",
+    "kvtier:loaded_tokens_total",
+    "kvtier:load_failed_tokens_total",
+    "kvtier:saved_chunks_total",
+    "kvtier:dropped_writes_total",
+    "vllm:prompt_tokens_total",
+    "vllm:external_prefix_cache_hits_total",
+)
+_TIER_COUNTERS = ("kvtier:hit_tokens_by_tier_total", "kvtier:tier_hits_total")
+_TIERS = ("cpu", "disk", "s3")
+
+
+class VerifyError(Exception):
+    """A problem with the inputs or the environment (not a failed check)."""
+
+
+@dataclass
+class Check:
+    what: str
+    expected: str
+    measured: str
+    ok: bool
+
+
+@dataclass
+class Step:
+    number: int
+    name: str
+    checks: list[Check] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def check(self, what: str, ok: bool, expected: str, measured: str) -> bool:
+        self.checks.append(Check(what, expected, measured, ok))
+        return ok
+
+
+@dataclass
+class Settings:
+    server_url: str
+    model: str
+    api_key: str | None
+    cfg: KvtierConfig
+    namespace: str
+    documents: int
+    document_tokens: int
+    output_tokens: int
+    seed: int
+    restart: Callable[[], None]
+    health_timeout: float
+    max_warm_cold_ratio: float
+    min_s3_share: float
+    min_cold_again_ratio: float
+    channel: Callable[[], tuple[bool, str]] | None = None
+
+
+def documents(count: int, tokens: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*_TOKEN_RANGE) for _ in range(tokens)] for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------- server access
+def scrape(server_url: str) -> dict[str, float]:
+    """The counters of `_COUNTERS`/`_TIER_COUNTERS` summed over label sets (per tier)."""
+    from kvtier.vllm.server import metric_sum, parse_metrics  # stdlib-only module
+
+    try:
+        with urllib.request.urlopen(server_url.rstrip("/") + "/metrics", timeout=10) as resp:
+            samples = parse_metrics(resp.read().decode())
+    except (urllib.error.URLError, OSError) as exc:
+        raise VerifyError(f"cannot read {server_url}/metrics: {exc}") from exc
+    out = {name: metric_sum(samples, name) for name in _COUNTERS}
+    for name in _TIER_COUNTERS:
+        for tier in _TIERS:
+            out[f"{name}{{tier={tier}}}"] = metric_sum(samples, name, tier=tier)
+    return out
+
+
+def wait_healthy(server_url: str, timeout: float) -> float:
+    """Seconds until ``/health`` answered 200; VerifyError after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            with urllib.request.urlopen(server_url.rstrip("/") + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise VerifyError(f"{server_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def command_restart(command: str, server_url: str, timeout: float) -> Callable[[], None]:
+    """A restart that runs ``command`` (e.g. ``supervisorctl restart kvtier-vllm``)."""
+
+    def restart() -> None:
+        done = subprocess.run(
+            shlex.split(command), capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if done.returncode != 0:
+            raise VerifyError(
+                f"restart command {command!r} failed ({done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()[-500:]}"
+            )
+        # supervisorctl and systemctl restart return once the old process is gone and the
+        # new one started; the new one answers /health only when its engine is up.
+        wait_healthy(server_url, timeout)
+
+    return restart
+
+
+# ------------------------------------------------------------------------------------ rounds
+@dataclass
+class Round:
+    completions: list[Completion]
+    counters: dict[str, float]
+    seconds: float
+
+    @property
+    def median_ttft(self) -> float:
+        return statistics.median(c.ttft for c in self.completions)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.completions)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "ttft_seconds": [round(c.ttft, 4) for c in self.completions],
+            "median_ttft_seconds": round(self.median_ttft, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": [len(c.token_ids) for c in self.completions],
+            "seconds": round(self.seconds, 2),
+            "counters": {k: v for k, v in self.counters.items() if v},
+        }
+
+
+def _request(s: Settings, doc: Sequence[int], max_tokens: int) -> Completion:
+    return stream_completion(
+        s.server_url,
+        s.model,
+        doc,
+        max_tokens,
+        api_key=s.api_key,
+        extra_body={"kv_transfer_params": {"kvtier_namespace": s.namespace}},
+    )
+
+
+def warm_up(s: Settings) -> None:
+    """One short request (shorter than a chunk: nothing stored), so that a fresh server's
+    first-request costs do not land in the first document's TTFT."""
+    _request(s, documents(1, 64, s.seed + 1)[0], 4)
+
+
+def run_round(s: Settings, docs: Sequence[Sequence[int]]) -> Round:
+    before = scrape(s.server_url)
+    start = time.monotonic()
+    completions = [_request(s, doc, s.output_tokens) for doc in docs]
+    seconds = time.monotonic() - start
+    # Counters reach /metrics with the engine's next stats interval, after the last step.
+    time.sleep(1.5)
+    after = scrape(s.server_url)
+    return Round(completions, {k: after[k] - before.get(k, 0.0) for k in after}, seconds)
+
+
+def _same_tokens(step: Step, a: Round, b: Round, against: str) -> bool:
+    differing = [
+        i
+        for i, (x, y) in enumerate(zip(a.completions, b.completions, strict=True))
+        if x.token_ids != y.token_ids
+    ]
+    return step.check(
+        f"outputs token-identical to the {against}",
+        not differing,
+        f"{len(a.completions)} of {len(a.completions)} documents identical",
+        "all identical" if not differing else f"documents {differing} differ",
+    )
+
+
+# ------------------------------------------------------------------------------------ the run
+def run(s: Settings, steps: list[Step]) -> None:
+    """Steps 1-5 into ``steps``; stops after the first step with a failed check. Purges at the
+    end. On VerifyError / CompletionError, the last step in ``steps`` is the one that broke off."""
+    docs = documents(s.documents, s.document_tokens, s.seed)
+    chunks_per_doc = s.document_tokens // s.cfg.chunk_size
+    try:
+        _run_steps(s, docs, chunks_per_doc, steps)
+    finally:
+        try:
+            _purge(s, None)
+        except VerifyError as exc:
+            print(
+                f"warning: final purge of namespace {s.namespace!r} failed: {exc}", file=sys.stderr
+            )
+
+
+def _purge(s: Settings, only: str | None) -> dict[str, int]:
+    from kvtier.admin import purge_namespace
+
+    try:
+        return purge_namespace(s.cfg, s.namespace, only)
+    except TierError as exc:
+        raise VerifyError(f"purging namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
+
+
+def _count(s: Settings) -> dict[str, int]:
+    from kvtier.admin import count_chunks
+
+    try:
+        return count_chunks(s.cfg, s.namespace)
+    except TierError as exc:
+        raise VerifyError(f"listing namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
+
+
+def _timed_step(steps: list[Step], number: int, name: str) -> Step:
+    step = Step(number, name)
+    steps.append(step)
+    return step
+
+
+def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: list[Step]) -> None:
+    t0 = time.monotonic()
+    step = _timed_step(steps, 1, "channel test through the gateway profile")
+    if s.channel is not None:
+        ok, message = s.channel()
+        step.check("gateway answers a chat completion with choices", ok, "OK", message)
+    else:
+        step.values["skipped"] = "no gateway profile given"
+    step.seconds = time.monotonic() - t0
+    if not step.ok:
+        return
+
+    t0 = time.monotonic()
+    step = _timed_step(steps, 2, "cold round")
+    step.values["purged_before"] = _purge(s, None)
+    warm_up(s)
+    cold = run_round(s, docs)
+    step.values.update(cold.summary())
+    hits = cold.counters["kvtier:hit_tokens_total"]
+    step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+    step.check(
+        "generated tokens per document",
+        all(len(c.token_ids) == s.output_tokens for c in cold.completions),
+        str(s.output_tokens),
+        str([len(c.token_ids) for c in cold.completions]),
+    )
+    step.seconds = time.monotonic() - t0
+    if not step.ok:
+        return
+
+    t0 = time.monotonic()
+    step = _timed_step(steps, 3, "restart vLLM, clear the host's local tiers")
+    s.restart()
+    warm_up(s)
+    step.values["purged_local"] = _purge(s, "disk") if s.cfg.local_disk else {}
+    counts = _count(s)
+    step.values["objects"] = counts
+    expected = s.documents * chunks_per_doc
+    stored = counts.get("s3")
+    step.check(
+        "chunk objects in the bucket (namespace)",
+        stored == expected,
+        f"{expected} ({s.documents} documents x {chunks_per_doc} chunks)",
+        "no S3 tier configured" if stored is None else str(stored),
+    )
+    step.check(
+        "chunks left on the host's disk tier",
+        counts.get("disk", 0) == 0,
+        "0",
+        str(counts.get("disk", 0)),
+    )
+    step.seconds = time.monotonic() - t0
+    if not step.ok:
+        return
+
+    t0 = time.monotonic()
+    step = _timed_step(steps, 4, "warm round (from Ceph only)")
+    warm = run_round(s, docs)
+    step.values.update(warm.summary())
+    s3_chunks = warm.counters["kvtier:tier_hits_total{tier=s3}"]
+    loaded = warm.counters["kvtier:loaded_tokens_total"]
+    s3_tokens = min(s3_chunks * s.cfg.chunk_size, loaded)
+    share = s3_tokens / max(1, warm.prompt_tokens)
+    ratio = warm.median_ttft / cold.median_ttft
+    step.values.update(s3_served_tokens=int(s3_tokens), s3_share=round(share, 4))
+    step.values["warm_cold_ttft_ratio"] = round(ratio, 4)
+    step.check(
+        "share of prompt tokens served by the S3 tier",
+        share >= s.min_s3_share,
+        f">= {s.min_s3_share:.2f}",
+        f"{share:.3f} ({s3_tokens:.0f} of {warm.prompt_tokens} tokens)",
+    )
+    failed = warm.counters["kvtier:load_failed_tokens_total"]
+    step.check("tokens whose load failed", failed == 0, "0", f"{failed:.0f}")
+    step.check(
+        "median TTFT warm / cold",
+        ratio <= s.max_warm_cold_ratio,
+        f"<= {s.max_warm_cold_ratio:.2f}",
+        f"{ratio:.3f} ({warm.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
+    )
+    _same_tokens(step, cold, warm, "cold round")
+    step.seconds = time.monotonic() - t0
+    if not step.ok:
+        return
+
+    t0 = time.monotonic()
+    step = _timed_step(steps, 5, "purge, restart, cold again")
+    step.values["purged"] = _purge(s, None)
+    s.restart()
+    warm_up(s)
+    again = run_round(s, docs)
+    step.values.update(again.summary())
+    hits = again.counters["kvtier:hit_tokens_total"]
+    step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+    back = again.median_ttft / cold.median_ttft
+    step.values["cold_again_ttft_ratio"] = round(back, 4)
+    step.check(
+        "median TTFT cold again / first cold",
+        back >= s.min_cold_again_ratio,
+        f">= {s.min_cold_again_ratio:.2f}",
+        f"{back:.3f} ({again.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
+    )
+    _same_tokens(step, cold, again, "first cold round")
+    step.seconds = time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------------ reports
+def first_failure(steps: Sequence[Step]) -> str | None:
+    """``step N (name): what: expected X, measured Y`` of the first failed check."""
+    for step in steps:
+        for c in step.checks:
+            if not c.ok:
+                return (
+                    f"step {step.number} ({step.name}): {c.what}: expected {c.expected}, "
+                    f"measured {c.measured}"
+                )
+    return None
+
+
+def report(s: Settings, steps: Sequence[Step], error: str | None) -> dict[str, Any]:
+    failure = error or first_failure(steps)
+    if failure is None and len(steps) < 5:
+        failure = f"stopped after step {len(steps)}"
+    return {
+        "ok": failure is None,
+        "failure": failure,
+        "server_url": s.server_url,
+        "model": s.model,
+        "namespace": s.namespace,
+        "config": s.cfg.source,
+        "documents": s.documents,
+        "document_tokens": s.document_tokens,
+        "output_tokens": s.output_tokens,
+        "chunk_size": s.cfg.chunk_size,
+        "seed": s.seed,
+        "thresholds": {
+            "max_warm_cold_ratio": s.max_warm_cold_ratio,
+            "min_s3_share": s.min_s3_share,
+            "min_cold_again_ratio": s.min_cold_again_ratio,
+        },
+        "steps": [
+            {**asdict(step), "ok": step.ok, "seconds": round(step.seconds, 2)} for step in steps
+        ],
+    }
+
+
+def markdown(doc: dict[str, Any], host: str) -> str:
+    verdict = "PASSED" if doc["ok"] else f"FAILED: {doc['failure']}"
+    lines = [
+        f"# kv_verify on {host}: {verdict}",
+        "",
+        f"Server {doc['server_url']} (model {doc['model']}), namespace `{doc['namespace']}`, "
+        f"{doc['documents']} documents x {doc['document_tokens']} tokens, "
+        f"{doc['output_tokens']} output tokens, chunk size {doc['chunk_size']}, "
+        f"seed {doc['seed']}.",
+        "",
+    ]
+    for step in doc["steps"]:
+        mark = "ok" if step["ok"] else "FAILED"
+        lines += [f"## Step {step['number']}: {step['name']} ({mark}, {step['seconds']} s)", ""]
+        if step["checks"]:
+            lines += ["| check | expected | measured | |", "|---|---|---|---|"]
+            for c in step["checks"]:
+                lines.append(
+                    f"| {c['what']} | {c['expected']} | {c['measured']} | "
+                    f"{'ok' if c['ok'] else '**FAILED**'} |"
+                )
+            lines.append("")
+        if "median_ttft_seconds" in step["values"]:
+            v = step["values"]
+            lines += [
+                f"Median TTFT {v['median_ttft_seconds']} s (per document: "
+                f"{', '.join(str(t) for t in v['ttft_seconds'])}), {v['prompt_tokens']} prompt "
+                f"tokens, round {v['seconds']} s.",
+                "",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _settings(args: argparse.Namespace) -> Settings:
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        raise VerifyError(str(exc)) from exc
+    if args.namespace == cfg.namespace:
+        raise VerifyError(
+            f"--namespace {args.namespace!r} is the production namespace of {cfg.source}: "
+            "verification needs a namespace of its own"
+        )
+    if args.namespace not in cfg.request_namespaces:
+        raise VerifyError(
+            f"namespace {args.namespace!r} is not in request_namespaces of {cfg.source} "
+            f"({list(cfg.request_namespaces)}): the server would serve the requests without "
+            "kvtier. Add it there (vllm_server_kvtier_request_namespaces) and restart vLLM"
+        )
+    if not cfg.remote_url:
+        raise VerifyError(f"{cfg.source} has no S3 tier (remote_url): nothing to verify in Ceph")
+    if args.document_tokens % cfg.chunk_size:
+        raise VerifyError(
+            f"--document-tokens {args.document_tokens} must be a multiple of chunk_size "
+            f"{cfg.chunk_size}, so that the expected number of objects is exact"
+        )
+    api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    channel: Callable[[], tuple[bool, str]] | None = None
+    if args.gateway_profile:
+        from kvtier.gateway import (
+            GatewayError,
+            check_profile,
+            default_profiles_dir,
+            load_profile,
+        )
+
+        try:
+            profiles = Path(args.gateway_dir) if args.gateway_dir else default_profiles_dir()
+            profile = load_profile(profiles, args.gateway_profile)
+        except GatewayError as exc:
+            raise VerifyError(str(exc)) from exc
+
+        def channel() -> tuple[bool, str]:
+            result = check_profile(profile)
+            return result.ok, f"{result.outcome.value}: {result.message}"
+
+    return Settings(
+        server_url=args.server_url,
+        model=args.model,
+        api_key=api_key,
+        cfg=cfg,
+        namespace=args.namespace,
+        documents=args.documents,
+        document_tokens=args.document_tokens,
+        output_tokens=args.output_tokens,
+        seed=args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31),
+        restart=command_restart(args.restart_command, args.server_url, args.health_timeout),
+        health_timeout=args.health_timeout,
+        max_warm_cold_ratio=args.max_warm_cold_ratio,
+        min_s3_share=args.min_s3_share,
+        min_cold_again_ratio=args.min_cold_again_ratio,
+        channel=channel,
+    )
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        s = _settings(args)
+    except VerifyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    steps: list[Step] = []
+    error: str | None = None
+    try:
+        run(s, steps)
+    except (VerifyError, CompletionError) as exc:
+        current = steps[-1] if steps else None
+        where = f"step {current.number} ({current.name})" if current else "setup"
+        error = f"{where}: {exc}"
+    doc = report(s, steps, error)
+    text = json.dumps(doc, indent=2) + "\n"
+    if args.json:
+        Path(args.json).write_text(text)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(doc, args.host))
+    for step in doc["steps"]:
+        print(f"step {step['number']} {step['name']}: {'ok' if step['ok'] else 'FAILED'}")
+        for c in step["checks"]:
+            print(
+                f"  [{'ok' if c['ok'] else 'FAIL'}] {c['what']}: expected {c['expected']}, "
+                f"measured {c['measured']}"
+            )
+    if doc["ok"]:
+        print("kv_verify: PASSED")
+        return 0
+    print(f"kv_verify: FAILED: {doc['failure']}", file=sys.stderr)
+    return 1
+
+
+def _ratio(value: str) -> float:
+    x = float(value)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return x
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return n
+
+
+def register(subparsers: Any) -> None:
+    """Add `verify` to the kvtier CLI."""
+    p = subparsers.add_parser(
+        "verify",
+        help="cold -> restart -> warm (from S3) -> purge -> cold, with assertions and a report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", help="the server's kvtier YAML (default: $KVTIER_CONFIG)")
+    p.add_argument(
+        "--server-url", required=True, help="the vLLM server, e.g. http://127.0.0.1:8100"
+    )
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--api-key-file", help="file holding the server's API key")
+    p.add_argument(
+        "--restart-command",
+        required=True,
+        help="restarts the server, e.g. 'supervisorctl restart kvtier-vllm'",
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a restarted server gets to answer /health",
+    )
+    p.add_argument("--gateway-profile", help="profile for the channel test (omit: skip it)")
+    p.add_argument("--gateway-dir", default=None, help="gateway profiles directory")
+    p.add_argument("--namespace", default="kvtier-verify")
+    p.add_argument("--documents", type=_positive, default=4)
+    p.add_argument("--document-tokens", type=_positive, default=8192)
+    p.add_argument("--output-tokens", type=_positive, default=32)
+    p.add_argument("--seed", type=int, help="documents' seed (default: a new one per run)")
+    p.add_argument("--max-warm-cold-ratio", type=_ratio, default=0.6)
+    p.add_argument("--min-s3-share", type=_ratio, default=0.9)
+    p.add_argument("--min-cold-again-ratio", type=_ratio, default=0.5)
+    p.add_argument("--host", default="this host", help="name used in the Markdown report")
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument("--markdown", help="write the Markdown report here")
+    p.set_defaults(func=_cmd)

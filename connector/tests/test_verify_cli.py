@@ -1,0 +1,62 @@
+"""`kvtier verify` input errors: caught before anything is sent or restarted, with what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+
+BASE = ["verify", "--server-url", "http://127.0.0.1:9", "--model", "m", "--restart-command", "true"]
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "message"),
+    [
+        (
+            "remote_url: s3://bkt/kv\n",
+            [],
+            "namespace 'kvtier-verify' is not in request_namespaces",
+        ),
+        (
+            "remote_url: s3://bkt/kv\nnamespace: kvtier-verify\n"
+            "request_namespaces: [kvtier-verify]\n",
+            [],
+            "is the production namespace",
+        ),
+        ("request_namespaces: [kvtier-verify]\n", [], "has no S3 tier"),
+        (
+            "remote_url: s3://bkt/kv\nrequest_namespaces: [kvtier-verify]\n",
+            ["--document-tokens", "1000"],
+            "must be a multiple of chunk_size 256",
+        ),
+        ("remote_url: s3://bkt/kv\nchunk_sise: 3\n", [], "did you mean 'chunk_size'"),
+    ],
+)
+def test_bad_input_exits_2_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, extra: list[str], message: str
+) -> None:
+    assert main([*BASE, "--config", _config(tmp_path, text), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unreachable_server_fails_naming_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(
+        tmp_path,
+        f"remote_url: s3://bkt/kv\nrequest_namespaces: [kvtier-verify]\nlocal_disk: {tmp_path}/d\n"
+        "max_local_disk_size: 1\nendpoint_url: http://127.0.0.1:9\nblocking_timeout_secs: 1\n",
+    )
+    out = tmp_path / "r.json"
+    assert main([*BASE, "--config", config, "--json", str(out), "--documents", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "kv_verify: FAILED: step 2 (cold round):" in err
+    assert out.exists() and '"ok": false' in out.read_text()
