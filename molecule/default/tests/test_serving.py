@@ -213,3 +213,21 @@ def test_prompt_after_a_restart_is_served_from_the_cache(host: Any) -> None:
     assert metric_sum(samples, "kvtier:loaded_tokens_total") == hit
     assert metric_sum(samples, "kvtier:load_failed_tokens_total") == 0
     assert second_text == first_text
+
+
+def test_kv_verify_reported_every_step_passed() -> None:
+    """The last play of site.yml (kv_verify) left its report on the control node (this host)."""
+    doc = json.loads((REPO / "reports" / "kv_verify" / "localhost.json").read_text())
+    assert doc["ok"], doc["failure"]
+    assert [s["number"] for s in doc["steps"] if s["ok"]] == [1, 2, 3, 4, 5]
+    warm = next(s for s in doc["steps"] if s["number"] == 4)["values"]
+    assert warm["s3_share"] >= 0.9
+    assert (REPO / "reports" / "kv_verify" / "localhost.md").read_text().startswith(
+        "# kv_verify on localhost: PASSED"
+    )
+
+
+def test_local_fact_describes_the_server(host: Any) -> None:
+    fact = json.loads(host.file("/etc/ansible/facts.d/kvtier_vllm_server.fact").content_string)
+    assert fact["server_url"] == BASE and fact["model"] == MODEL
+    assert "kvtier-verify" in fact["request_namespaces"]
