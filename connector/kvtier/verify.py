@@ -17,7 +17,8 @@ failed, what was expected and what was measured):
 4. warm: the same requests; S3 served >= ``min_s3_share`` of the prompt tokens, median TTFT
    warm/cold <= ``max_warm_cold_ratio``, outputs token-identical to the cold round.
 5. cold again: purge the namespace from every tier, restart, same requests: 0 tokens from
-   kvtier, median TTFT >= ``min_cold_again_ratio`` x the first cold round, identical outputs.
+   kvtier, median TTFT back near the first cold round (above the geometric mean of the cold and
+   warm medians), identical outputs.
 
 The namespace is purged again at the end, whatever happened. Counters come from the server's
 ``/metrics`` (deltas around each round): traffic of other clients during a round adds to them,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shlex
 import statistics
@@ -108,7 +110,6 @@ class Settings:
     health_timeout: float
     max_warm_cold_ratio: float
     min_s3_share: float
-    min_cold_again_ratio: float
     channel: Callable[[], tuple[bool, str]] | None = None
 
 
@@ -370,13 +371,17 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
     step.values.update(again.summary())
     hits = again.counters["kvtier:hit_tokens_total"]
     step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
-    back = again.median_ttft / cold.median_ttft
-    step.values["cold_again_ttft_ratio"] = round(back, 4)
+    # "Back to cold" on a noisy host: nearer the first cold round than the warm one on a log
+    # scale, i.e. above their geometric mean (cold TTFT alone varies 2x between rounds on a
+    # busy 2-core machine; a hit is 5-10x faster).
+    bound = math.sqrt(cold.median_ttft * warm.median_ttft)
+    step.values["cold_again_ttft_ratio"] = round(again.median_ttft / cold.median_ttft, 4)
     step.check(
-        "median TTFT cold again / first cold",
-        back >= s.min_cold_again_ratio,
-        f">= {s.min_cold_again_ratio:.2f}",
-        f"{back:.3f} ({again.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
+        "median TTFT cold again, nearer the first cold round than the warm round",
+        again.median_ttft >= bound,
+        f">= {bound:.3f} s (geometric mean of warm {warm.median_ttft:.3f} s and first cold "
+        f"{cold.median_ttft:.3f} s)",
+        f"{again.median_ttft:.3f} s",
     )
     _same_tokens(step, cold, again, "first cold round")
     step.seconds = time.monotonic() - t0
@@ -414,7 +419,6 @@ def report(s: Settings, steps: Sequence[Step], error: str | None) -> dict[str, A
         "thresholds": {
             "max_warm_cold_ratio": s.max_warm_cold_ratio,
             "min_s3_share": s.min_s3_share,
-            "min_cold_again_ratio": s.min_cold_again_ratio,
         },
         "steps": [
             {**asdict(step), "ok": step.ok, "seconds": round(step.seconds, 2)} for step in steps
@@ -513,7 +517,6 @@ def _settings(args: argparse.Namespace) -> Settings:
         health_timeout=args.health_timeout,
         max_warm_cold_ratio=args.max_warm_cold_ratio,
         min_s3_share=args.min_s3_share,
-        min_cold_again_ratio=args.min_cold_again_ratio,
         channel=channel,
     )
 
@@ -600,7 +603,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, help="documents' seed (default: a new one per run)")
     p.add_argument("--max-warm-cold-ratio", type=_ratio, default=0.6)
     p.add_argument("--min-s3-share", type=_ratio, default=0.9)
-    p.add_argument("--min-cold-again-ratio", type=_ratio, default=0.5)
     p.add_argument("--host", default="this host", help="name used in the Markdown report")
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--markdown", help="write the Markdown report here")

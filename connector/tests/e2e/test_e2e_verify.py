@@ -47,7 +47,6 @@ def _settings(stack: dict[str, Any], **overrides: Any) -> Settings:
         "health_timeout": 240.0,
         "max_warm_cold_ratio": 0.6,
         "min_s3_share": 0.9,
-        "min_cold_again_ratio": 0.5,
     }
     values.update(overrides)
     return Settings(**values)
