@@ -346,7 +346,7 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
     step.check(
         "share of prompt tokens served by the S3 tier",
         share >= s.min_s3_share,
-        f">= {s.min_s3_share:.2f}",
+        f">= {s.min_s3_share:g}",
         f"{share:.3f} ({s3_tokens:.0f} of {warm.prompt_tokens} tokens)",
     )
     failed = warm.counters["kvtier:load_failed_tokens_total"]
@@ -354,7 +354,7 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
     step.check(
         "median TTFT warm / cold",
         ratio <= s.max_warm_cold_ratio,
-        f"<= {s.max_warm_cold_ratio:.2f}",
+        f"<= {s.max_warm_cold_ratio:g}",
         f"{ratio:.3f} ({warm.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
     )
     _same_tokens(step, cold, warm, "cold round")

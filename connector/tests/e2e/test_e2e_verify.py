@@ -91,7 +91,7 @@ def test_unmet_threshold_names_step_expected_and_measured(
     failure = first_failure(steps)
     assert failure is not None
     assert failure.startswith("step 4 (warm round (from Ceph only)): median TTFT warm / cold:")
-    assert "expected <= 0.00, measured 0." in failure
+    assert "expected <= 0.001, measured 0." in failure
     assert [step.number for step in steps] == [1, 2, 3, 4]  # stopped at the failed step
     doc = report(s, steps, None)
     assert not doc["ok"] and doc["failure"] == failure
