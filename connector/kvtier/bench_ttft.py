@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench_vllm import (
+    ServerFactory,
+    batch_budget,
+    cpu_tier,
+    delete_namespace,
+    disk_tier,
+    ensure_model,
+    random_prompts,
+    s3_settings,
+)
 from kvtier.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
@@ -38,11 +47,6 @@ from kvtier.vllm.server import (
 SCENARIOS = ("none", "kvtier-s3", "kvtier-disk", "kvtier-cpu", "example")
 
 
-def _prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300, 8000) for _ in range(tokens)] for _ in range(count)]
-
-
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -50,21 +54,11 @@ def _median(xs: list[float]) -> float:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-bench-ttft-"))
     work.mkdir(parents=True, exist_ok=True)
-    prompts = _prompts(args.prompts, args.prompt_tokens, args.seed)
+    prompts = random_prompts(args.prompts, args.prompt_tokens, args.seed)
     run_id = f"{int(time.time())}"
-    budget = max(args.prompt_tokens + 64, 2048)
-    common = ["--max-num-batched-tokens", str(budget)]
-    warmup = _prompts(1, 64, args.seed + 1)[0]
-
-    def server(name: str, kv: str | None, *extra: str) -> VllmServer:
-        return VllmServer(
-            model=args.model,
-            port=args.port,
-            log_path=work / f"{name}.log",
-            kv_transfer_config=kv,
-            extra_args=[*common, *extra],
-            python=args.vllm_python,
-        )
+    budget = batch_budget(args.prompt_tokens)
+    warmup = random_prompts(1, 64, args.seed + 1)[0]
+    server = ServerFactory(args.model, args.port, work, args.vllm_python, budget)
 
     def measure(srv: VllmServer) -> list[float]:
         return [srv.complete(p, max_tokens=args.output_tokens).ttft for p in prompts]
@@ -82,40 +76,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     plans: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
         "none": lambda: cold_then_warm(server("none", None), restart=False),
         "kvtier-disk": lambda: cold_then_warm(
-            server(
-                "kvtier-disk",
-                kvtier_transfer_config(
-                    {
-                        "local_cpu": False,
-                        "local_disk": str(work / "disk" / run_id),
-                        "max_local_disk_size": 4.0,
-                    }
-                ),
-            ),
-            restart=True,
+            server("kvtier-disk", disk_tier(work / "disk" / run_id)), restart=True
         ),
         "kvtier-cpu": lambda: cold_then_warm(
-            server(
-                "kvtier-cpu",
-                kvtier_transfer_config({"local_cpu": True, "max_local_cpu_size": 1.0}),
-                "--no-enable-prefix-caching",
-            ),
-            restart=False,
+            server("kvtier-cpu", cpu_tier(), "--no-enable-prefix-caching"), restart=False
         ),
         "example": lambda: cold_then_warm(
             server("example", example_transfer_config(str(work / "example" / run_id))),
             restart=True,
         ),
     }
-    s3_settings = {
-        "config_file": args.s3_config,
-        "local_cpu": False,
-        "local_disk": None,
-        "namespace": f"bench-ttft-{run_id}",
-    }
+    s3 = s3_settings(args.s3_config, f"bench-ttft-{run_id}") if args.s3_config else {}
     if args.s3_config:
         plans["kvtier-s3"] = lambda: cold_then_warm(
-            server("kvtier-s3", kvtier_transfer_config(s3_settings)), restart=True
+            server("kvtier-s3", kvtier_transfer_config(s3)), restart=True
         )
     for name in SCENARIOS:
         if name in plans and name in args.scenarios:
@@ -124,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             results[name] = {"cold": cold, "warm": warm}
 
     if "kvtier-s3" in results:
-        _delete_namespace(s3_settings)
+        delete_namespace(s3)
     med = {n: {k: _median(v) for k, v in r.items()} for n, r in results.items()}
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
@@ -159,22 +133,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": ratios,
         "logs": str(work),
     }
-
-
-def _delete_namespace(settings: dict[str, Any]) -> None:
-    """Remove the chunks this run wrote to S3 (its own namespace)."""
-    from kvtier.config import load_config
-    from kvtier.tiers.s3 import make_boto3_client
-
-    cfg = load_config(settings)
-    client = make_boto3_client(cfg)
-    prefix = "/".join(p for p in (cfg.s3_prefix, cfg.namespace) if p) + "/"
-    for page in client.get_paginator("list_objects_v2").paginate(
-        Bucket=cfg.s3_bucket, Prefix=prefix
-    ):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=cfg.s3_bucket, Delete={"Objects": keys, "Quiet": True})
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -225,10 +183,7 @@ def plot_report(report: dict[str, Any], path: str) -> str | None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    if args.model is None:
-        from kvtier.model import make_tiny
-
-        args.model = str(make_tiny(Path(tempfile.mkdtemp(prefix="kvtier-tiny-"))))
+    args.model = ensure_model(args.model)
     report = run_bench(args)
     print(format_table(report))
     if args.json:

@@ -22,6 +22,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 BENCH_MODULES: tuple[str, ...] = (
     "kvtier.bench_store",  # bench store
     "kvtier.bench_ttft",  # bench ttft (vLLM servers side by side)
+    "kvtier.bench_longdoc",  # bench longdoc (LMCache's long_doc_qa against a running server)
+    "kvtier.bench_experiments",  # bench compare (experiments A-D, scenarios side by side)
 )
 
 
