@@ -189,6 +189,7 @@ class Round:
             "median_ttft_seconds": round(self.median_ttft, 4),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": [len(c.token_ids) for c in self.completions],
+            "output_token_ids": [c.token_ids for c in self.completions],
             "seconds": round(self.seconds, 2),
             "counters": {k: v for k, v in self.counters.items() if v},
         }
