@@ -9,9 +9,11 @@ under another:
   2 * head_size]``; *inside* a block the order depends on the CPU attention kernel variant
   (``vec``, ``vec16``, ``amx``, ...: K may be stored transposed), which vLLM picks from the
   dtype, block size, head size and the CPU's ISA.
-- CUDA build (written, UNTESTED: no machine here runs vLLM on a GPU): the attention backend
-  (e.g. FLASH_ATTN) and its cache layout (NHD/HND) name the layout; blocks are gathered on
-  the device and copied to host memory.
+- CUDA build: the attention backend (e.g. FLASH_ATTN) and its cache layout (NHD/HND) name the
+  layout; blocks are gathered on the device and copied to host memory through a pinned buffer.
+  The copies are tested on an H200 with torch (connector/tests/cuda); vLLM's CUDA build with
+  this connector has not run (no machine here has it), so `expected_layout`'s CUDA branch is
+  UNTESTED.
 
 The per-layer tensors vLLM 0.32 hands to connectors are logical ``[blocks, ...]`` views, so
 indexing dimension 0 selects blocks on both builds.
@@ -20,6 +22,7 @@ indexing dimension 0 selects blocks on both builds.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +186,10 @@ class BlockCopier:
     def __init__(self, layout: KVLayout, tensors: Sequence[Any]) -> None:
         self.layout = layout
         self.tensors = list(tensors)
+        #: Pinned host staging buffers of the device gather, one per shape (a chunk has one
+        #: shape, a partial chunk a few more): pinning memory costs more than the copy itself.
+        self._pinned: dict[tuple[int, ...], Any] = {}
+        self._pinned_lock = threading.Lock()
 
     def gather(self, block_ids: Sequence[int]) -> bytes:
         """Raw bytes of `block_ids` (in that order) of every layer."""
@@ -190,6 +197,8 @@ class BlockCopier:
 
         first = self.tensors[0]
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
+        if first.device.type != "cpu":
+            return self._gather_device(idx)
         # One index_select per layer into a preallocated host buffer: a single memcpy each.
         out = torch.empty(
             (self.layout.num_layers, len(block_ids), *first.shape[1:]),
@@ -197,11 +206,25 @@ class BlockCopier:
             device="cpu",
         )
         for i, t in enumerate(self.tensors):
-            if t.device.type == "cpu":
-                torch.index_select(t, 0, idx, out=out[i])
-            else:  # CUDA (UNTESTED): gather on the device, then one device-to-host copy
-                out[i].copy_(t.index_select(0, idx))
+            torch.index_select(t, 0, idx, out=out[i])
         raw: bytes = out.view(torch.uint8).numpy().tobytes()
+        return raw
+
+    def _gather_device(self, idx: Any) -> bytes:
+        """CUDA: gather every layer on the device, then one copy into a pinned host buffer.
+        Measured on an H200 (4 layers x 16 blocks, 4 MiB): 6.2-7.4 GB/s, against 0.7-3.5 GB/s
+        (varying between runs) for a copy per layer into pageable memory (connector/tests/cuda)."""
+        import torch
+
+        on_device = torch.stack([t.index_select(0, idx) for t in self.tensors])
+        shape = tuple(on_device.shape)
+        with self._pinned_lock:
+            staging = self._pinned.get(shape)
+            if staging is None:
+                staging = torch.empty(shape, dtype=on_device.dtype, pin_memory=True)
+                self._pinned[shape] = staging
+            staging.copy_(on_device)
+            raw: bytes = staging.view(torch.uint8).numpy().tobytes()
         return raw
 
     def scatter(
