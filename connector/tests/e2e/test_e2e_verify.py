@@ -4,6 +4,7 @@ threshold it cannot meet fails naming the step, the expected and the measured va
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ def _settings(stack: dict[str, Any], **overrides: Any) -> Settings:
         "api_key": None,
         "cfg": load_config(stack["values"]),
         "namespace": NAMESPACE,
+        # the role's default length: at 2048 tokens the tiny model's prefill is as fast as a
+        # load from S3 on 2 cores (measured warm/cold 1.01), at 8192 it is 3-10x slower
         "documents": 3,
-        "document_tokens": 4096,
+        "document_tokens": 8192,
         "output_tokens": OUTPUT_TOKENS,
         "seed": 7,
         "restart": server.restart,
@@ -71,7 +74,7 @@ def test_healthy_stack_passes_every_step_and_leaves_production_alone(
     assert doc["ok"], (first_failure(steps), server.log_tail())
     assert [step["number"] for step in doc["steps"]] == [1, 2, 3, 4, 5]
     by_number = {step.number: step for step in steps}
-    assert by_number[3].values["objects"]["s3"] == 3 * 4096 // 256
+    assert by_number[3].values["objects"]["s3"] == 3 * 8192 // 256
     assert by_number[4].values["s3_share"] >= 0.9
     assert by_number[4].values["warm_cold_ttft_ratio"] <= 0.6
     assert "PASSED" in markdown(doc, "test-host").splitlines()[0]
@@ -91,7 +94,7 @@ def test_unmet_threshold_names_step_expected_and_measured(
     failure = first_failure(steps)
     assert failure is not None
     assert failure.startswith("step 4 (warm round (from Ceph only)): median TTFT warm / cold:")
-    assert "expected <= 0.001, measured 0." in failure
+    assert re.search(r"expected <= 0\.001, measured \d+\.\d{3} \(\d", failure), failure
     assert [step.number for step in steps] == [1, 2, 3, 4]  # stopped at the failed step
     doc = report(s, steps, None)
     assert not doc["ok"] and doc["failure"] == failure
