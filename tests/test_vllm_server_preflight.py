@@ -45,6 +45,15 @@ CASES = {
         {"vllm_server_kvtier_namespace": "team/a"},
         r"vllm_server_kvtier_namespace \(1-64 letters, digits, '\.', '_', '-'; is 'team/a'\)",
     ),
+    "request namespace with a slash": (
+        {"vllm_server_kvtier_request_namespaces": ["kvtier-verify/a"]},
+        r"vllm_server_kvtier_request_namespaces \(\['kvtier-verify/a'\]\) must be names of "
+        r"1-64 letters",
+    ),
+    "production namespace as a request namespace": (
+        {"vllm_server_kvtier_request_namespaces": ["default"]},
+        r"must not list the production namespace 'default'",
+    ),
 }
 
 

@@ -22,25 +22,30 @@ failed, what was expected and what was measured):
    kvtier, median TTFT back near the first cold round (above the geometric mean of the cold and
    warm medians), identical outputs.
 
-The namespace is purged again at the end, whatever happened. Counters come from the server's
-``/metrics`` (deltas around each round): traffic of other clients during a round adds to them,
-so verify a host while it is drained of user traffic.
+The namespace is purged again at the end, whatever happened. One verification per namespace
+runs on a host at a time (a lock file in /run/lock); a second one exits with an error.
+Counters come from the server's ``/metrics`` (deltas around each round): traffic of other
+clients during a round adds to them, so verify a host while it is drained of user traffic.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
 import random
 import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,132 +280,129 @@ def _count(s: Settings) -> dict[str, int]:
         raise VerifyError(f"listing namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
 
 
-def _timed_step(steps: list[Step], number: int, name: str) -> Step:
+@contextmanager
+def _step(steps: list[Step], number: int, name: str) -> Iterator[Step]:
+    """A new step appended to ``steps``, timed even when it breaks off with an exception."""
     step = Step(number, name)
     steps.append(step)
-    return step
+    start = time.monotonic()
+    try:
+        yield step
+    finally:
+        step.seconds = time.monotonic() - start
 
 
 def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: list[Step]) -> None:
-    t0 = time.monotonic()
-    step = _timed_step(steps, 1, "channel test through the gateway profile")
-    if s.channel is not None:
-        ok, message = s.channel()
-        step.check("gateway answers a chat completion with choices", ok, "OK", message)
-    else:
-        step.values["skipped"] = "no gateway profile given"
-    step.seconds = time.monotonic() - t0
+    with _step(steps, 1, "channel test through the gateway profile") as step:
+        if s.channel is not None:
+            ok, message = s.channel()
+            step.check("gateway answers a chat completion with choices", ok, "OK", message)
+        else:
+            step.values["skipped"] = "no gateway profile given"
     if not step.ok:
         return
 
-    t0 = time.monotonic()
-    step = _timed_step(steps, 2, "cold round")
-    step.values["purged_before"] = _purge(s, None)
-    warm_up(s)
-    cold = run_round(s, docs)
-    step.values.update(cold.summary())
-    hits = cold.counters["kvtier:hit_tokens_total"]
-    step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
-    step.check(
-        "generated tokens per document",
-        all(len(c.token_ids) == s.output_tokens for c in cold.completions),
-        str(s.output_tokens),
-        str([len(c.token_ids) for c in cold.completions]),
-    )
-    # The reference for the warm round: the same documents again, now answered from vLLM's own
-    # prefix cache, so the last block is computed over cached KV exactly as after a load. A
-    # full prefill (the cold round) sums in another order: in bf16 a near-tie between two
-    # tokens can then flip (seen with the tiny model at the 19th output token), with correct KV.
-    reference = run_round(s, docs)
-    step.values["reference"] = {
-        "prefix_cache_hit_tokens": reference.counters.get("vllm:prefix_cache_hits_total", 0.0),
-        "output_token_ids": [c.token_ids for c in reference.completions],
-    }
-    step.seconds = time.monotonic() - t0
+    with _step(steps, 2, "cold round") as step:
+        step.values["purged_before"] = _purge(s, None)
+        warm_up(s)
+        cold = run_round(s, docs)
+        step.values.update(cold.summary())
+        hits = cold.counters["kvtier:hit_tokens_total"]
+        step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+        step.check(
+            "generated tokens per document",
+            all(len(c.token_ids) == s.output_tokens for c in cold.completions),
+            str(s.output_tokens),
+            str([len(c.token_ids) for c in cold.completions]),
+        )
+        # The reference for the warm round: the same documents again, now answered from vLLM's own
+        # prefix cache, so the last block is computed over cached KV exactly as after a load. A
+        # full prefill (the cold round) sums in another order: in bf16 a near-tie between two
+        # tokens can then flip (seen with the tiny model at the 19th output token), with correct KV.
+        reference = run_round(s, docs)
+        step.values["reference"] = {
+            "prefix_cache_hit_tokens": reference.counters.get("vllm:prefix_cache_hits_total", 0.0),
+            "output_token_ids": [c.token_ids for c in reference.completions],
+        }
     if not step.ok:
         return
 
-    t0 = time.monotonic()
-    step = _timed_step(steps, 3, "restart vLLM, clear the host's local tiers")
-    s.restart()
-    warm_up(s)
-    step.values["purged_local"] = _purge(s, "disk") if s.cfg.local_disk else {}
-    counts = _count(s)
-    step.values["objects"] = counts
-    expected = s.documents * chunks_per_doc
-    stored = counts.get("s3")
-    step.check(
-        "chunk objects in the bucket (namespace)",
-        stored == expected,
-        f"{expected} ({s.documents} documents x {chunks_per_doc} chunks)",
-        "no S3 tier configured" if stored is None else str(stored),
-    )
-    step.check(
-        "chunks left on the host's disk tier",
-        counts.get("disk", 0) == 0,
-        "0",
-        str(counts.get("disk", 0)),
-    )
-    step.seconds = time.monotonic() - t0
+    with _step(steps, 3, "restart vLLM, clear the host's local tiers") as step:
+        s.restart()
+        warm_up(s)
+        step.values["purged_local"] = _purge(s, "disk") if s.cfg.local_disk else {}
+        counts = _count(s)
+        step.values["objects"] = counts
+        expected = s.documents * chunks_per_doc
+        stored = counts.get("s3")
+        step.check(
+            "chunk objects in the bucket (namespace)",
+            stored == expected,
+            f"{expected} ({s.documents} documents x {chunks_per_doc} chunks)",
+            "no S3 tier configured" if stored is None else str(stored),
+        )
+        step.check(
+            "chunks left on the host's disk tier",
+            counts.get("disk", 0) == 0,
+            "0",
+            str(counts.get("disk", 0)),
+        )
     if not step.ok:
         return
 
-    t0 = time.monotonic()
-    step = _timed_step(steps, 4, "warm round (from Ceph only)")
-    warm = run_round(s, docs)
-    step.values.update(warm.summary())
-    s3_chunks = warm.counters["kvtier:tier_hits_total{tier=s3}"]
-    loaded = warm.counters["kvtier:loaded_tokens_total"]
-    s3_tokens = min(s3_chunks * s.cfg.chunk_size, loaded)
-    share = s3_tokens / max(1, warm.prompt_tokens)
-    ratio = warm.median_ttft / cold.median_ttft
-    step.values.update(s3_served_tokens=int(s3_tokens), s3_share=round(share, 4))
-    step.values["warm_cold_ttft_ratio"] = round(ratio, 4)
-    step.check(
-        "share of prompt tokens served by the S3 tier",
-        share >= s.min_s3_share,
-        f">= {s.min_s3_share:g}",
-        f"{share:.3f} ({s3_tokens:.0f} of {warm.prompt_tokens} tokens)",
-    )
-    failed = warm.counters["kvtier:load_failed_tokens_total"]
-    step.check("tokens whose load failed", failed == 0, "0", f"{failed:.0f}")
-    step.check(
-        "median TTFT warm / cold",
-        ratio <= s.max_warm_cold_ratio,
-        f"<= {s.max_warm_cold_ratio:g}",
-        f"{ratio:.3f} ({warm.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
-    )
-    _same_tokens(step, reference, warm, "cold round's prefix-cache pass")
-    step.values["documents_identical_to_full_prefill"] = sum(
-        a.token_ids == b.token_ids for a, b in zip(cold.completions, warm.completions, strict=True)
-    )
-    step.seconds = time.monotonic() - t0
+    with _step(steps, 4, "warm round (from Ceph only)") as step:
+        warm = run_round(s, docs)
+        step.values.update(warm.summary())
+        s3_chunks = warm.counters["kvtier:tier_hits_total{tier=s3}"]
+        loaded = warm.counters["kvtier:loaded_tokens_total"]
+        s3_tokens = min(s3_chunks * s.cfg.chunk_size, loaded)
+        share = s3_tokens / max(1, warm.prompt_tokens)
+        ratio = warm.median_ttft / cold.median_ttft
+        step.values.update(s3_served_tokens=int(s3_tokens), s3_share=round(share, 4))
+        step.values["warm_cold_ttft_ratio"] = round(ratio, 4)
+        step.check(
+            "share of prompt tokens served by the S3 tier",
+            share >= s.min_s3_share,
+            f">= {s.min_s3_share:g}",
+            f"{share:.3f} ({s3_tokens:.0f} of {warm.prompt_tokens} tokens)",
+        )
+        failed = warm.counters["kvtier:load_failed_tokens_total"]
+        step.check("tokens whose load failed", failed == 0, "0", f"{failed:.0f}")
+        step.check(
+            "median TTFT warm / cold",
+            ratio <= s.max_warm_cold_ratio,
+            f"<= {s.max_warm_cold_ratio:g}",
+            f"{ratio:.3f} ({warm.median_ttft:.3f} s / {cold.median_ttft:.3f} s)",
+        )
+        _same_tokens(step, reference, warm, "cold round's prefix-cache pass")
+        step.values["documents_identical_to_full_prefill"] = sum(
+            a.token_ids == b.token_ids
+            for a, b in zip(cold.completions, warm.completions, strict=True)
+        )
     if not step.ok:
         return
 
-    t0 = time.monotonic()
-    step = _timed_step(steps, 5, "purge, restart, cold again")
-    step.values["purged"] = _purge(s, None)
-    s.restart()
-    warm_up(s)
-    again = run_round(s, docs)
-    step.values.update(again.summary())
-    hits = again.counters["kvtier:hit_tokens_total"]
-    step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
-    # "Back to cold" on a noisy host: nearer the first cold round than the warm one on a log
-    # scale, i.e. above their geometric mean (cold TTFT alone varies 2x between rounds on a
-    # busy 2-core machine; a hit is 5-10x faster).
-    bound = math.sqrt(cold.median_ttft * warm.median_ttft)
-    step.values["cold_again_ttft_ratio"] = round(again.median_ttft / cold.median_ttft, 4)
-    step.check(
-        "median TTFT cold again, nearer the first cold round than the warm round",
-        again.median_ttft >= bound,
-        f">= {bound:.3f} s (geometric mean of warm {warm.median_ttft:.3f} s and first cold "
-        f"{cold.median_ttft:.3f} s)",
-        f"{again.median_ttft:.3f} s",
-    )
-    _same_tokens(step, cold, again, "first cold round")
-    step.seconds = time.monotonic() - t0
+    with _step(steps, 5, "purge, restart, cold again") as step:
+        step.values["purged"] = _purge(s, None)
+        s.restart()
+        warm_up(s)
+        again = run_round(s, docs)
+        step.values.update(again.summary())
+        hits = again.counters["kvtier:hit_tokens_total"]
+        step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+        # "Back to cold" on a noisy host: nearer the first cold round than the warm one on a log
+        # scale, i.e. above their geometric mean (cold TTFT alone varies 2x between rounds on a
+        # busy 2-core machine; a hit is 5-10x faster).
+        bound = math.sqrt(cold.median_ttft * warm.median_ttft)
+        step.values["cold_again_ttft_ratio"] = round(again.median_ttft / cold.median_ttft, 4)
+        step.check(
+            "median TTFT cold again, nearer the first cold round than the warm round",
+            again.median_ttft >= bound,
+            f">= {bound:.3f} s (geometric mean of warm {warm.median_ttft:.3f} s and first cold "
+            f"{cold.median_ttft:.3f} s)",
+            f"{again.median_ttft:.3f} s",
+        )
+        _same_tokens(step, cold, again, "first cold round")
 
 
 # ------------------------------------------------------------------------------------ reports
@@ -475,6 +477,37 @@ def markdown(doc: dict[str, Any], host: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------ lock
+def default_lock_dir() -> Path:
+    run_lock = Path("/run/lock")
+    return run_lock if os.access(run_lock, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@contextmanager
+def exclusive(namespace: str, lock_dir: Path) -> Iterator[None]:
+    """Hold the host's lock for ``namespace``: a second verification of the same namespace
+    would purge its chunks and restart the server under the first one."""
+    path = lock_dir / f"kvtier-verify.{namespace}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise VerifyError(f"cannot open the lock file {path}: {exc}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise VerifyError(
+                f"another kvtier verify of namespace {namespace!r} is running on this host "
+                f"(pid {holder}, lock {path}); run again when it has finished"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 # ------------------------------------------------------------------------------------ CLI
 def _settings(args: argparse.Namespace) -> Settings:
     try:
@@ -540,9 +573,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _cmd(args: argparse.Namespace) -> int:
     try:
         s = _settings(args)
+        with exclusive(s.namespace, Path(args.lock_dir) if args.lock_dir else default_lock_dir()):
+            return _verify(s, args)
     except VerifyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _verify(s: Settings, args: argparse.Namespace) -> int:
     steps: list[Step] = []
     error: str | None = None
     try:
@@ -620,6 +658,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-warm-cold-ratio", type=_ratio, default=0.6)
     p.add_argument("--min-s3-share", type=_ratio, default=0.9)
     p.add_argument("--host", default="this host", help="name used in the Markdown report")
+    p.add_argument(
+        "--lock-dir",
+        help="where the per-namespace lock file lives (default: /run/lock, else the temp dir)",
+    )
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--markdown", help="write the Markdown report here")
     p.set_defaults(func=_cmd)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kvtier.cli import main
+from kvtier.verify import exclusive
 
 BASE = ["verify", "--server-url", "http://127.0.0.1:9", "--model", "m", "--restart-command", "true"]
 
@@ -60,3 +62,21 @@ def test_unreachable_server_fails_naming_the_step(
     err = capsys.readouterr().err
     assert "kv_verify: FAILED: step 2 (cold round):" in err
     assert out.exists() and '"ok": false' in out.read_text()
+
+
+def test_second_verification_of_a_namespace_is_refused_while_one_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, "remote_url: s3://bkt/kv\nrequest_namespaces: [kvtier-verify]\n")
+    report = tmp_path / "r.json"
+    args = [*BASE, "--config", config, "--lock-dir", str(tmp_path), "--json", str(report)]
+    with exclusive("kvtier-verify", tmp_path):  # the first verification, still running
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "another kvtier verify of namespace 'kvtier-verify' is running on this host "
+        f"(pid {os.getpid()}, lock {tmp_path}/kvtier-verify.kvtier-verify.lock)"
+    ) in err
+    assert not report.exists()  # refused before anything was sent
+    with exclusive("kvtier-verify", tmp_path):  # released when the first one ended
+        pass

@@ -230,4 +230,4 @@ def test_kv_verify_reported_every_step_passed() -> None:
 def test_local_fact_describes_the_server(host: Any) -> None:
     fact = json.loads(host.file("/etc/ansible/facts.d/kvtier_vllm_server.fact").content_string)
     assert fact["server_url"] == BASE and fact["model"] == MODEL
-    assert "kvtier-verify" in fact["request_namespaces"]
+    assert fact["request_namespaces"] == ["kvtier-verify-localhost"]  # one per host
