@@ -8,6 +8,7 @@ runs of the same prompt must produce the same tokens.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -74,23 +75,30 @@ def stream_completion(
     ids: list[int] = []
     text: list[str] = []
     prompt_tokens = 0
-    with resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if event.get("usage"):
-                prompt_tokens = int(event["usage"]["prompt_tokens"])
-            for choice in event.get("choices", []):
-                new_ids = choice.get("token_ids") or []
-                if (new_ids or choice.get("text")) and ttft is None:
-                    ttft = time.perf_counter() - start
-                ids.extend(new_ids)
-                text.append(choice.get("text") or "")
+    try:
+        with resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("usage"):
+                    prompt_tokens = int(event["usage"]["prompt_tokens"])
+                for choice in event.get("choices", []):
+                    new_ids = choice.get("token_ids") or []
+                    if (new_ids or choice.get("text")) and ttft is None:
+                        ttft = time.perf_counter() - start
+                    ids.extend(new_ids)
+                    text.append(choice.get("text") or "")
+    # A server that dies or times out mid-stream, or sends something that is not the
+    # OpenAI event stream: one error type for the callers to report.
+    except (OSError, http.client.HTTPException) as exc:
+        raise CompletionError(f"the stream from {server_url} broke off: {exc!r}") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CompletionError(f"the stream from {server_url} is malformed: {exc!r}") from exc
     total = time.perf_counter() - start
     if ttft is None:
         raise CompletionError(f"the stream from {server_url} ended without any token")

@@ -8,7 +8,8 @@ list in ``request_namespaces``, so production chunks are never read, written or 
 Steps (each a list of checks; the first failing step ends the run, the report says which check
 failed, what was expected and what was measured):
 
-1. channel: a minimal chat completion through the gateway profile answers with ``choices``.
+1. channel: a minimal chat completion through the gateway profile (the active one unless
+   ``--gateway-profile`` names another) answers with ``choices``; skipped only when asked.
 2. cold: purge the namespace from the disk and S3 tiers, send N documents of random token ids
    (a new seed per run, so nothing anywhere can be cached); 0 tokens come from kvtier.
 3. restart: restart vLLM (empties its prefix cache and CPU tier), purge the namespace from the
@@ -18,7 +19,7 @@ failed, what was expected and what was measured):
    warm/cold <= ``max_warm_cold_ratio``, outputs token-identical to a second pass of the cold
    round served by vLLM's own prefix cache (same arithmetic as after a load: bit-exact KV
    gives the same tokens; a full prefill may flip a near-tie in bf16).
-5. cold again: purge the namespace from every tier, restart, same requests: 0 tokens from
+5. cold again: restart, purge the namespace from every tier, same requests: 0 tokens from
    kvtier, median TTFT back near the first cold round (above the geometric mean of the cold and
    warm medians), identical outputs.
 
@@ -47,6 +48,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,8 @@ class Settings:
     max_warm_cold_ratio: float
     min_s3_share: float
     channel: Callable[[], tuple[bool, str]] | None = None
+    #: vLLM publishes counters with its stats interval: wait this long after a round.
+    metrics_settle_secs: float = 1.5
 
 
 def documents(count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -161,9 +165,14 @@ def command_restart(command: str, server_url: str, timeout: float) -> Callable[[
     """A restart that runs ``command`` (e.g. ``supervisorctl restart kvtier-vllm``)."""
 
     def restart() -> None:
-        done = subprocess.run(
-            shlex.split(command), capture_output=True, text=True, timeout=timeout, check=False
-        )
+        try:
+            done = subprocess.run(
+                shlex.split(command), capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise VerifyError(f"restart command {command!r} took over {timeout:.0f} s") from exc
+        except OSError as exc:
+            raise VerifyError(f"restart command {command!r} cannot run: {exc}") from exc
         if done.returncode != 0:
             raise VerifyError(
                 f"restart command {command!r} failed ({done.returncode}): "
@@ -215,9 +224,30 @@ def _request(s: Settings, doc: Sequence[int], max_tokens: int) -> Completion:
 
 
 def warm_up(s: Settings) -> None:
-    """One short request (shorter than a chunk: nothing stored), so that a fresh server's
-    first-request costs do not land in the first document's TTFT."""
-    _request(s, documents(1, 64, s.seed + 1)[0], 4)
+    """One short request, so that a fresh server's first-request costs do not land in the first
+    document's TTFT. Shorter than any KV block (vLLM's smallest is 16 tokens): nothing of it can
+    be stored, even with ``save_unfull_chunk``, so the object count stays exact."""
+    _request(s, documents(1, 8, s.seed + 1)[0], 4)
+
+
+def max_model_len(s: Settings) -> int | None:
+    """The served model's context limit from ``/v1/models`` (None if the server omits it)."""
+    request = urllib.request.Request(s.server_url.rstrip("/") + "/v1/models")
+    if s.api_key:
+        request.add_header("Authorization", f"Bearer {s.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            models = json.loads(resp.read())["data"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise VerifyError(f"cannot read {s.server_url}/v1/models: {exc!r}") from exc
+    for model in models:
+        if isinstance(model, dict) and model.get("id") == s.model:
+            limit = model.get("max_model_len")
+            return int(limit) if limit else None
+    raise VerifyError(
+        f"{s.server_url} does not serve model {s.model!r} "
+        f"(it serves {[m.get('id') for m in models if isinstance(m, dict)]})"
+    )
 
 
 def run_round(s: Settings, docs: Sequence[Sequence[int]]) -> Round:
@@ -226,7 +256,7 @@ def run_round(s: Settings, docs: Sequence[Sequence[int]]) -> Round:
     completions = [_request(s, doc, s.output_tokens) for doc in docs]
     seconds = time.monotonic() - start
     # Counters reach /metrics with the engine's next stats interval, after the last step.
-    time.sleep(1.5)
+    time.sleep(s.metrics_settle_secs)
     after = scrape(s.server_url)
     return Round(completions, {k: after[k] - before.get(k, 0.0) for k in after}, seconds)
 
@@ -298,11 +328,20 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
             ok, message = s.channel()
             step.check("gateway answers a chat completion with choices", ok, "OK", message)
         else:
-            step.values["skipped"] = "no gateway profile given"
+            step.values["skipped"] = "--skip-channel-test"
     if not step.ok:
         return
 
     with _step(steps, 2, "cold round") as step:
+        limit = max_model_len(s)
+        needed = s.document_tokens + s.output_tokens
+        if limit is not None and not step.check(
+            "document + output tokens fit the model's context (max_model_len)",
+            needed <= limit,
+            f"<= {limit}",
+            f"{needed} ({s.document_tokens} + {s.output_tokens}): lower the document length",
+        ):
+            return
         step.values["purged_before"] = _purge(s, None)
         warm_up(s)
         cold = run_round(s, docs)
@@ -382,9 +421,11 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
     if not step.ok:
         return
 
-    with _step(steps, 5, "purge, restart, cold again") as step:
-        step.values["purged"] = _purge(s, None)
+    with _step(steps, 5, "restart, purge, cold again") as step:
+        # Restart first: the old server may still be writing the warm round's chunks to the
+        # disk tier in the background, which could land after a purge and be hit below.
         s.restart()
+        step.values["purged"] = _purge(s, None)
         warm_up(s)
         again = run_round(s, docs)
         step.values.update(again.summary())
@@ -418,13 +459,17 @@ def first_failure(steps: Sequence[Step]) -> str | None:
     return None
 
 
-def report(s: Settings, steps: Sequence[Step], error: str | None) -> dict[str, Any]:
+def report(
+    s: Settings, steps: Sequence[Step], error: str | None, host: str = "", started_at: str = ""
+) -> dict[str, Any]:
     failure = error or first_failure(steps)
     if failure is None and len(steps) < 5:
         failure = f"stopped after step {len(steps)}"
     return {
         "ok": failure is None,
         "failure": failure,
+        "host": host,
+        "started_at": started_at,
         "server_url": s.server_url,
         "model": s.model,
         "namespace": s.namespace,
@@ -452,7 +497,7 @@ def markdown(doc: dict[str, Any], host: str) -> str:
         f"Server {doc['server_url']} (model {doc['model']}), namespace `{doc['namespace']}`, "
         f"{doc['documents']} documents x {doc['document_tokens']} tokens, "
         f"{doc['output_tokens']} output tokens, chunk size {doc['chunk_size']}, "
-        f"seed {doc['seed']}.",
+        f"seed {doc['seed']}, started {doc['started_at']}.",
         "",
     ]
     for step in doc["steps"]:
@@ -532,19 +577,29 @@ def _settings(args: argparse.Namespace) -> Settings:
             f"--document-tokens {args.document_tokens} must be a multiple of chunk_size "
             f"{cfg.chunk_size}, so that the expected number of objects is exact"
         )
-    api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    try:
+        api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    except OSError as exc:
+        raise VerifyError(f"cannot read --api-key-file: {exc}") from exc
     channel: Callable[[], tuple[bool, str]] | None = None
-    if args.gateway_profile:
+    if not args.skip_channel_test:
         from kvtier.gateway import (
             GatewayError,
+            active_profile_name,
             check_profile,
             default_profiles_dir,
             load_profile,
         )
 
+        profiles = Path(args.gateway_dir) if args.gateway_dir else default_profiles_dir()
+        name = args.gateway_profile or active_profile_name(profiles)
+        if name is None:
+            raise VerifyError(
+                f"no active gateway profile in {profiles} for the channel test: name one with "
+                "--gateway-profile (or --gateway-dir), or pass --skip-channel-test"
+            )
         try:
-            profiles = Path(args.gateway_dir) if args.gateway_dir else default_profiles_dir()
-            profile = load_profile(profiles, args.gateway_profile)
+            profile = load_profile(profiles, name)
         except GatewayError as exc:
             raise VerifyError(str(exc)) from exc
 
@@ -583,13 +638,14 @@ def _cmd(args: argparse.Namespace) -> int:
 def _verify(s: Settings, args: argparse.Namespace) -> int:
     steps: list[Step] = []
     error: str | None = None
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     try:
         run(s, steps)
     except (VerifyError, CompletionError) as exc:
         current = steps[-1] if steps else None
         where = f"step {current.number} ({current.name})" if current else "setup"
         error = f"{where}: {exc}"
-    doc = report(s, steps, error)
+    doc = report(s, steps, error, args.host, started_at)
     text = json.dumps(doc, indent=2) + "\n"
     if args.json:
         Path(args.json).write_text(text)
@@ -614,6 +670,22 @@ def _ratio(value: str) -> float:
     if x <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return x
+
+
+def _share(value: str) -> float:
+    x = float(value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1], got {value}")
+    return x
+
+
+def _at_least_32(value: str) -> int:
+    n = int(value)
+    if n < 32:
+        raise argparse.ArgumentTypeError(
+            f"must be >= 32 (a token-identity check over fewer tokens proves little), got {value}"
+        )
+    return n
 
 
 def _positive(value: str) -> int:
@@ -648,15 +720,24 @@ def register(subparsers: Any) -> None:
         default=300.0,
         help="seconds a restarted server gets to answer /health",
     )
-    p.add_argument("--gateway-profile", help="profile for the channel test (omit: skip it)")
-    p.add_argument("--gateway-dir", default=None, help="gateway profiles directory")
+    p.add_argument(
+        "--gateway-profile", help="profile for the channel test (default: the active one)"
+    )
+    p.add_argument(
+        "--gateway-dir",
+        default=None,
+        help="gateway profiles directory (default: ~/.config/kvtier/gateways)",
+    )
+    p.add_argument(
+        "--skip-channel-test", action="store_true", help="no gateway here: leave step 1 out"
+    )
     p.add_argument("--namespace", default="kvtier-verify")
     p.add_argument("--documents", type=_positive, default=4)
     p.add_argument("--document-tokens", type=_positive, default=8192)
-    p.add_argument("--output-tokens", type=_positive, default=32)
+    p.add_argument("--output-tokens", type=_at_least_32, default=32)
     p.add_argument("--seed", type=int, help="documents' seed (default: a new one per run)")
     p.add_argument("--max-warm-cold-ratio", type=_ratio, default=0.6)
-    p.add_argument("--min-s3-share", type=_ratio, default=0.9)
+    p.add_argument("--min-s3-share", type=_share, default=0.9, help="in (0, 1]")
     p.add_argument("--host", default="this host", help="name used in the Markdown report")
     p.add_argument(
         "--lock-dir",

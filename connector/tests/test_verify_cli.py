@@ -10,7 +10,16 @@ import pytest
 from kvtier.cli import main
 from kvtier.verify import exclusive
 
-BASE = ["verify", "--server-url", "http://127.0.0.1:9", "--model", "m", "--restart-command", "true"]
+BASE = [
+    "verify",
+    "--server-url",
+    "http://127.0.0.1:9",
+    "--model",
+    "m",
+    "--restart-command",
+    "true",
+    "--skip-channel-test",
+]
 
 
 def _config(tmp_path: Path, text: str) -> str:
@@ -40,6 +49,11 @@ def _config(tmp_path: Path, text: str) -> str:
             "must be a multiple of chunk_size 256",
         ),
         ("remote_url: s3://bkt/kv\nchunk_sise: 3\n", [], "did you mean 'chunk_size'"),
+        (
+            "remote_url: s3://bkt/kv\nrequest_namespaces: [kvtier-verify]\n",
+            ["--api-key-file", "/nonexistent/key"],
+            "cannot read --api-key-file: [Errno 2] No such file or directory",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_the_fix(
@@ -80,3 +94,31 @@ def test_second_verification_of_a_namespace_is_refused_while_one_runs(
     assert not report.exists()  # refused before anything was sent
     with exclusive("kvtier-verify", tmp_path):  # released when the first one ended
         pass
+
+
+def test_channel_test_needs_a_profile_unless_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, "remote_url: s3://bkt/kv\nrequest_namespaces: [kvtier-verify]\n")
+    argv = [a for a in BASE if a != "--skip-channel-test"]
+    assert main([*argv, "--config", config, "--gateway-dir", str(tmp_path)]) == 2
+    assert (
+        f"no active gateway profile in {tmp_path} for the channel test: name one with "
+        "--gateway-profile (or --gateway-dir), or pass --skip-channel-test"
+    ) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--output-tokens", "8", "must be >= 32"),
+        ("--min-s3-share", "90", "must be a share in (0, 1], got 90"),
+    ],
+)
+def test_values_the_checks_cannot_use_are_refused(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*BASE, option, value])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -220,6 +220,9 @@ def test_kv_verify_reported_every_step_passed() -> None:
     doc = json.loads((REPO / "reports" / "kv_verify" / "localhost.json").read_text())
     assert doc["ok"], doc["failure"]
     assert [s["number"] for s in doc["steps"] if s["ok"]] == [1, 2, 3, 4, 5]
+    assert doc["host"] == "localhost" and doc["started_at"]
+    channel = doc["steps"][0]
+    assert "skipped" not in channel["values"] and channel["checks"][0]["ok"]  # really sent
     warm = next(s for s in doc["steps"] if s["number"] == 4)["values"]
     assert warm["s3_share"] >= 0.9
     assert (REPO / "reports" / "kv_verify" / "localhost.md").read_text().startswith(
