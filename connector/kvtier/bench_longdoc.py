@@ -247,7 +247,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--api-key-file", help="file holding the API key (sent as a bearer token)")
-    p.add_argument("--documents", type=positive_int, default=8)
+    p.add_argument("--documents", "--num-documents", type=positive_int, default=8)
     p.add_argument("--document-length", type=positive_int, default=4096, help="tokens")
     p.add_argument("--output-len", type=positive_int, default=32, help="tokens per answer")
     p.add_argument(

@@ -36,6 +36,7 @@ from kvtier.bench_longdoc import longdoc_plan, repeat_order
 from kvtier.bench_presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
 from kvtier.cli import main as cli_main
 from kvtier.completions import Completion, CompletionError
+from kvtier.vllm.server import ServerError, VllmServer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -97,7 +98,10 @@ def test_hit_miss_ratio_replaces_the_right_share_with_new_documents() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--documents", "0"], "argument --documents: pass a whole number >= 1 (e.g. 4), got '0'"),
+        (
+            ["--documents", "0"],
+            "argument --documents/--num-documents: pass a whole number >= 1 (e.g. 4), got '0'",
+        ),
         (["--document-length", "many"], "argument --document-length: pass a whole number >= 1"),
         (["--hit-miss-ratio", "4-1"], "argument --hit-miss-ratio: pass HIT:MISS as two whole"),
         (["--hit-miss-ratio", "0:0"], "e.g. 4:1 (after every 4 repeated documents 1 new one)"),
@@ -443,3 +447,20 @@ def test_longdoc_command_says_when_the_server_does_not_answer(
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
         assert cli_main(["bench", "longdoc", "--base-url", url, "--model", "m"]) == 1
     assert "the server did not answer the warm-up request" in capsys.readouterr().err
+
+
+def test_compare_refuses_the_s3_scenario_without_its_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli_main(["bench", "compare", "--scenarios", "kvtier-s3"]) == 2
+    assert "--scenarios kvtier-s3 needs --s3-config" in capsys.readouterr().err
+
+
+def test_a_server_is_not_started_on_a_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = VllmServer(model="m", port=port, log_path=tmp_path / "log", python="false")
+        with pytest.raises(ServerError, match=f"port {port} is already in use"):
+            server.start()

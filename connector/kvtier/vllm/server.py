@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -103,6 +104,13 @@ class VllmServer:
         return cmd + list(self.extra_args)
 
     def start(self) -> VllmServer:
+        # Something already listening would answer /health and be measured instead.
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                raise ServerError(
+                    f"port {self.port} is already in use (a server left running?): stop it or "
+                    "pick another port"
+                )
         env = dict(os.environ)
         if self.fast_cpu:
             env.update(FAST_CPU_ENV)
@@ -121,8 +129,10 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                returncode = self._proc.returncode
+                self.stop()  # reaps its process group, closes the log
                 raise ServerError(
-                    f"vLLM exited with {self._proc.returncode} during startup:\n{self.log_tail()}"
+                    f"vLLM exited with {returncode} during startup:\n{self.log_tail()}"
                 )
             if self._healthy():
                 return self
