@@ -339,7 +339,8 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
             "document + output tokens fit the model's context (max_model_len)",
             needed <= limit,
             f"<= {limit}",
-            f"{needed} ({s.document_tokens} + {s.output_tokens}): lower the document length",
+            f"{needed} ({s.document_tokens} + {s.output_tokens})"
+            + ("" if needed <= limit else ": lower the document length"),
         ):
             return
         step.values["purged_before"] = _purge(s, None)
