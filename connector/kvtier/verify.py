@@ -322,6 +322,17 @@ def _step(steps: list[Step], number: int, name: str) -> Iterator[Step]:
         step.seconds = time.monotonic() - start
 
 
+def _cold_round(s: Settings, docs: list[list[int]], step: Step, purged_key: str) -> Round:
+    """Purge the namespace everywhere, then a round that nothing may serve from kvtier."""
+    step.values[purged_key] = _purge(s, None)
+    warm_up(s)
+    cold = run_round(s, docs)
+    step.values.update(cold.summary())
+    hits = cold.counters["kvtier:hit_tokens_total"]
+    step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+    return cold
+
+
 def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: list[Step]) -> None:
     with _step(steps, 1, "channel test through the gateway profile") as step:
         if s.channel is not None:
@@ -343,12 +354,7 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
             + ("" if needed <= limit else ": lower the document length"),
         ):
             return
-        step.values["purged_before"] = _purge(s, None)
-        warm_up(s)
-        cold = run_round(s, docs)
-        step.values.update(cold.summary())
-        hits = cold.counters["kvtier:hit_tokens_total"]
-        step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+        cold = _cold_round(s, docs, step, "purged_before")
         step.check(
             "generated tokens per document",
             all(len(c.token_ids) == s.output_tokens for c in cold.completions),
@@ -426,12 +432,7 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
         # Restart first: the old server may still be writing the warm round's chunks to the
         # disk tier in the background, which could land after a purge and be hit below.
         s.restart()
-        step.values["purged"] = _purge(s, None)
-        warm_up(s)
-        again = run_round(s, docs)
-        step.values.update(again.summary())
-        hits = again.counters["kvtier:hit_tokens_total"]
-        step.check("prompt tokens served by kvtier", hits == 0, "0", f"{hits:.0f}")
+        again = _cold_round(s, docs, step, "purged")
         # "Back to cold" on a noisy host: nearer the first cold round than the warm one on a log
         # scale, i.e. above their geometric mean (cold TTFT alone varies 2x between rounds on a
         # busy 2-core machine; a hit is 5-10x faster).
