@@ -63,7 +63,7 @@ from kvtier.bench_vllm import (
     cpu_tier,
     delete_namespace,
     disk_tier,
-    ensure_model,
+    model_or_tiny,
     s3_settings,
 )
 from kvtier.completions import CompletionError
@@ -355,8 +355,8 @@ def _cmd(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    args.model = ensure_model(args.model)
-    report, rows = run_compare(args)
+    with model_or_tiny(args.model) as args.model:
+        report, rows = run_compare(args)
     print(format_tables(report))
     if not args.json:
         print("files: none written (pass --json)")

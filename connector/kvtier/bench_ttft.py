@@ -32,7 +32,7 @@ from kvtier.bench_vllm import (
     cpu_tier,
     delete_namespace,
     disk_tier,
-    ensure_model,
+    model_or_tiny,
     random_prompts,
     s3_settings,
 )
@@ -183,8 +183,8 @@ def plot_report(report: dict[str, Any], path: str) -> str | None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    args.model = ensure_model(args.model)
-    report = run_bench(args)
+    with model_or_tiny(args.model) as args.model:
+        report = run_bench(args)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import random
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +34,17 @@ def batch_budget(max_prompt_tokens: int) -> int:
     return max(max_prompt_tokens + 64, 2048)
 
 
-def ensure_model(model: str | None) -> str:
-    """``model``, or the tiny model made in a temp dir when none is given (needs the vLLM venv)."""
+@contextmanager
+def model_or_tiny(model: str | None) -> Iterator[str]:
+    """``model``, or the tiny model made in a temp dir (removed afterwards) when none is given
+    (needs the vLLM venv)."""
     if model is not None:
-        return model
+        yield model
+        return
     from kvtier.model import make_tiny
 
-    return str(make_tiny(Path(tempfile.mkdtemp(prefix="kvtier-tiny-"))))
+    with tempfile.TemporaryDirectory(prefix="kvtier-tiny-") as tmp:
+        yield str(make_tiny(Path(tmp)))
 
 
 @dataclass(frozen=True)
