@@ -1,6 +1,7 @@
-"""`kvtier bench compare --smoke` against real vLLM servers (two scenarios, tiny sizes; what CI
-runs of the benchmarks): what a user reads after it, the tables, the JSON, the CSV and the PNGs,
-and that the repeated long prompt's warm round is faster than its cold round, served by a cache.
+"""What CI runs of the benchmarks, against real vLLM servers: `kvtier bench compare --smoke`
+(two scenarios, tiny sizes) and a small `kvtier bench longdoc`. What a user reads after them
+(tables, progress bar, JSON, CSV, PNGs), and that repeated prompts are faster than their cold
+round and served by a cache (kvtier's, where the test says so).
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import csv
 import json
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _e2e import VLLM_PYTHON, free_port
+from _e2e import VLLM_PYTHON, Counters, Servers, free_port
 
 from kvtier.cli import main
+from kvtier.vllm.server import VllmServer
 
 SMOKE_SCENARIOS = {"vllm-prefix", "kvtier-cpu"}
 
@@ -72,3 +75,40 @@ def test_compare_smoke_warm_beats_cold_and_writes_the_files(
     for key in "ABCD":
         png = report_path.with_name(f"bench-compare-{key}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_longdoc_against_vllm_with_kvtier_repeats_are_served_by_kvtier(
+    servers: Servers,
+    counters: Callable[[VllmServer], Counters],
+    scratch: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # kvtier's CPU tier with vLLM's prefix cache off: every hit of the warm round is kvtier's.
+    server = servers.make(
+        "longdoc", {"local_cpu": True, "max_local_cpu_size": 0.5}, prefix_caching=False
+    )
+    seen = counters(server)
+    report_path = scratch / "longdoc.json"
+    status = main(
+        [
+            "bench", "longdoc", "--base-url", server.base_url + "/v1", "--model",
+            server.served_model_name, "--num-documents", "3", "--document-length", "2048",
+            "--output-len", "8", "--repeat-count", "2", "--repeat-mode", "tile",
+            "--hit-miss-ratio", "2:1", "--max-inflight-requests", "1",
+            "--json", str(report_path),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr()
+    assert status == 0, out
+    assert "[##############################] 6/6 warm round" in out.err
+    report = json.loads(report_path.read_text())
+    repeats = report["warm_by_kind"]["repeat"]
+    assert repeats["ttft_mean_s"] < report["rounds"]["cold"]["ttft_mean_s"], report["rounds"]
+    # 4 repeated documents in the warm round (2:1 of 6), all full chunks but the last
+    # block of each loaded by kvtier; the 2 new documents and the cold round load nothing.
+    assert seen.delta("kvtier:loaded_tokens_total") >= 4 * (2048 - 256)
+    with report_path.with_suffix(".csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["round"] for r in rows] == ["cold"] * 3 + ["warm"] * 6
+    assert [r for r in rows if r["error"]] == []
+    assert report_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
