@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from _helpers import send_completion_stream
 
 from kvtier import bench_compare_report, bench_longdoc
 from kvtier.bench_experiments import cache_counters, kv_bytes_per_token, working_set_chunks
@@ -394,14 +395,7 @@ class _FakeServer(http.server.BaseHTTPRequestHandler):
         if prompt not in self.seen:
             time.sleep(0.05)
             self.seen.add(prompt)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i in range(body["max_tokens"]):
-            event = {"choices": [{"text": "a", "token_ids": [i]}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": len(prompt)}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        send_completion_stream(self, range(body["max_tokens"]), len(prompt), text="a")
 
     def log_message(self, *args: Any) -> None:
         pass  # keep pytest's output clean

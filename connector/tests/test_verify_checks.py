@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
+from _helpers import send_completion_stream
 
 from kvtier.config import load_config
 from kvtier.verify import Settings, Step, first_failure, run
@@ -68,14 +69,7 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
                 self._round(rnd, len(prompt), tokens)
                 ttft = COLD_TTFT if rnd in (0, 3) and not self._fast(rnd) else HIT_TTFT
         time.sleep(ttft)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for t in tokens:
-            event = {"choices": [{"text": "x", "token_ids": [t]}]}
-            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": len(prompt)}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        send_completion_stream(self, tokens, len(prompt))
 
     def _fast(self, rnd: int) -> bool:
         return rnd == 3 and self.fault == "cold_again_fast"
