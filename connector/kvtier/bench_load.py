@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import http.client
 import json
 import math
 import sys
@@ -42,7 +41,9 @@ CSV_FIELDS = (
     "error",
 )
 #: What a failed request can raise: it is recorded (``Record.error``), the run goes on.
-REQUEST_ERRORS = (CompletionError, ServerError, OSError, http.client.HTTPException, ValueError)
+#: ``stream_completion`` turns every network, HTTP and stream error into CompletionError;
+#: ``VllmServer.complete`` re-raises it as ServerError.
+REQUEST_ERRORS = (CompletionError, ServerError)
 
 #: ``complete(prompt_token_ids, max_tokens)``: :meth:`Endpoint.complete` or
 #: ``VllmServer.complete``.

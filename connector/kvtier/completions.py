@@ -19,7 +19,8 @@ from typing import Any
 
 
 class CompletionError(RuntimeError):
-    """The server refused or broke off a completion (the message quotes what it said)."""
+    """The server refused or broke off a completion (the message quotes what it said). The one
+    error `stream_completion` raises for anything the server or the network did."""
 
 
 @dataclass
@@ -69,7 +70,7 @@ def stream_completion(
         raise CompletionError(
             f"completion failed: HTTP {exc.code} from {server_url}: {exc.read()[:500]!r}"
         ) from exc
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise CompletionError(f"completion failed: {server_url} unreachable: {exc}") from exc
     ttft: float | None = None
     ids: list[int] = []

@@ -36,7 +36,7 @@ from kvtier.bench_load import (
 from kvtier.bench_longdoc import longdoc_plan, repeat_order
 from kvtier.bench_presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
 from kvtier.cli import main as cli_main
-from kvtier.completions import Completion, CompletionError
+from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.vllm.server import ServerError, VllmServer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -458,3 +458,30 @@ def test_a_server_is_not_started_on_a_port_in_use(tmp_path: Path) -> None:
         server = VllmServer(model="m", port=port, log_path=tmp_path / "log", python="false")
         with pytest.raises(ServerError, match=f"port {port} is already in use"):
             server.start()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b"NOT-HTTP\r\n\r\n", "unreachable"),  # http.client.BadStatusLine
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\ndata: {not json\n\n",
+            "broke off|malformed",
+        ),
+    ],
+)
+def test_a_broken_server_is_one_completion_error(answer: bytes, message: str) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        threading.Thread(target=serve, daemon=True).start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(CompletionError, match=message):
+            stream_completion(url, "m", [1, 2, 3], 4, timeout=5)
