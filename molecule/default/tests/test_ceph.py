@@ -33,7 +33,8 @@ def _vars() -> dict[str, Any]:
 VARS = _vars()
 FRONTEND = f"http://{VARS['ceph_rgw_frontend_address']}:{VARS['ceph_rgw_frontend_port']}"
 RGW_PORTS = [VARS["ceph_rgw_backend_base_port"] + i for i in range(VARS["ceph_rgw_count_per_host"])]
-RGW_PROGRAMS = [f"rgw-kvtier-{i + 1}" for i in range(VARS["ceph_rgw_count_per_host"])]
+# Instance names carry the inventory host (localhost here), as ceph_rgw names them.
+RGW_PROGRAMS = [f"rgw-kvtier-localhost-{i + 1}" for i in range(VARS["ceph_rgw_count_per_host"])]
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
