@@ -231,6 +231,7 @@ def test_kv_verify_reported_every_step_passed() -> None:
 
 
 def test_local_fact_describes_the_server(host: Any) -> None:
-    fact = json.loads(host.file("/etc/ansible/facts.d/kvtier_vllm_server.fact").content_string)
+    fact = json.loads(host.file("/etc/ansible/facts.d/kvtier_vllm.fact").content_string)
     assert fact["server_url"] == BASE and fact["model"] == MODEL
-    assert fact["request_namespaces"] == ["kvtier-verify-localhost"]  # one per host
+    # One per host, and the fleet-wide one of the cross-node step.
+    assert fact["request_namespaces"] == ["kvtier-verify-localhost", "kvtier-verify-fleet"]
