@@ -75,7 +75,7 @@ def _tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
 
         yield DiskTier(cfg.local_disk, cfg.disk_bytes)
     if cfg.remote_url and only in (None, "s3"):
-        from kvtier.tiers.s3 import Boto3S3Tier
+        from kvtier.tiers.s3_boto3 import Boto3S3Tier
 
         yield Boto3S3Tier.from_config(cfg)
 
@@ -153,7 +153,7 @@ class Doctor:
         self.add("disk", True, detail)
 
     def check_s3(self, cfg: KvtierConfig) -> None:
-        from kvtier.tiers.s3 import error_cause, make_boto3_client
+        from kvtier.tiers.s3_boto3 import error_cause, make_boto3_client
 
         where = cfg.source
         try:

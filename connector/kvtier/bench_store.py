@@ -85,7 +85,7 @@ def _parse_size(text: str) -> int:
 
 class S3Bench:
     def __init__(self, cfg: KvtierConfig, run_prefix: str) -> None:
-        from kvtier.tiers.s3 import make_boto3_client
+        from kvtier.tiers.s3_boto3 import make_boto3_client
 
         self.cfg = cfg
         self.bucket = cfg.s3_bucket or ""

@@ -22,7 +22,7 @@ from kvtier.cli import main as cli_main
 from kvtier.config import KvtierConfig, load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.store import TieredStore
-from kvtier.tiers.s3 import make_boto3_client
+from kvtier.tiers.s3_boto3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
 
