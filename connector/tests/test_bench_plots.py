@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvtier import bench_store, bench_ttft
+from kvtier.bench import store as bench_store
+from kvtier.bench import ttft as bench_ttft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

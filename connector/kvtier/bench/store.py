@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from kvtier.bench.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.keys import chunk_hashes
-from kvtier.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 

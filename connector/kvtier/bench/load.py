@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_vllm import random_tokens
+from kvtier.bench.servers import random_tokens
 from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.vllm.server import ServerError
 

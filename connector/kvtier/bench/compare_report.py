@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.plot import pyplot, save
+from kvtier.bench.plot import pyplot, save
 
 TITLES = {
     "A": "A: one long prompt ({a_tokens} tokens), then {a_repeats} repeats; TTFT (s)",

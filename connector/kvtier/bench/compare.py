@@ -45,8 +45,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_compare_report import format_tables, plot_preset
-from kvtier.bench_load import (
+from kvtier.bench.compare_report import format_tables, plot_preset
+from kvtier.bench.load import (
     ROUNDS,
     Record,
     csv_rows,
@@ -56,8 +56,8 @@ from kvtier.bench_load import (
     write_csv,
     write_json,
 )
-from kvtier.bench_presets import FULL, PRESETS, SMOKE, MixedLoad, Preset, Sizes, make_presets
-from kvtier.bench_vllm import (
+from kvtier.bench.presets import FULL, PRESETS, SMOKE, MixedLoad, Preset, Sizes, make_presets
+from kvtier.bench.servers import (
     ServerFactory,
     batch_budget,
     cpu_tier,

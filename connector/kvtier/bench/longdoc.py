@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_load import (
+from kvtier.bench.load import (
     REQUEST_ERRORS,
     ROUNDS,
     Endpoint,
@@ -44,8 +44,8 @@ from kvtier.bench_load import (
     write_csv,
     write_json,
 )
-from kvtier.bench_vllm import random_tokens
-from kvtier.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.servers import random_tokens
 
 MODES = ("random", "tile", "interleave")
 

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_vllm import (
+from kvtier.bench.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.servers import (
     ServerFactory,
     batch_budget,
     cpu_tier,
@@ -36,7 +37,6 @@ from kvtier.bench_vllm import (
     random_prompts,
     s3_settings,
 )
-from kvtier.plot import NO_MATPLOTLIB, pyplot, save
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
