@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "kvtier.admin",  # doctor, ls, stats, purge
+    "kvtier.admin.cli",  # doctor, ls, stats, purge
     "kvtier.gateway",  # gateway profiles
     "kvtier.model",  # model make-tiny
     "kvtier.verify",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)

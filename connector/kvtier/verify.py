@@ -293,7 +293,7 @@ def run(s: Settings, steps: list[Step]) -> None:
 
 
 def _purge(s: Settings, only: str | None) -> dict[str, int]:
-    from kvtier.admin import purge_namespace
+    from kvtier.admin.chunks import purge_namespace
 
     try:
         return purge_namespace(s.cfg, s.namespace, only)
@@ -302,7 +302,7 @@ def _purge(s: Settings, only: str | None) -> dict[str, int]:
 
 
 def _count(s: Settings) -> dict[str, int]:
-    from kvtier.admin import count_chunks
+    from kvtier.admin.chunks import count_chunks
 
     try:
         return count_chunks(s.cfg, s.namespace)

@@ -107,12 +107,14 @@ def fake_vllm() -> Iterator[str]:
 
 
 def _verify(url: str, fault: str, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
-    import kvtier.admin
+    import kvtier.admin.chunks
 
     _FakeVllm.fault = fault
     objects = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost_object" else 0)
-    monkeypatch.setattr(kvtier.admin, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
-    monkeypatch.setattr(kvtier.admin, "count_chunks", lambda cfg, ns: {"s3": objects, "disk": 0})
+    monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
+    monkeypatch.setattr(
+        kvtier.admin.chunks, "count_chunks", lambda cfg, ns: {"s3": objects, "disk": 0}
+    )
     cfg = load_config({"remote_url": "s3://bkt/kv", "request_namespaces": ["kvtier-verify"]})
     settings = Settings(
         server_url=url,
