@@ -585,10 +585,10 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise VerifyError(f"cannot read --api-key-file: {exc}") from exc
     channel: Callable[[], tuple[bool, str]] | None = None
     if not args.skip_channel_test:
-        from kvtier.gateway import (
+        from kvtier.gateway.channel import check_profile
+        from kvtier.gateway.profile import (
             GatewayError,
             active_profile_name,
-            check_profile,
             default_profiles_dir,
             load_profile,
         )
