@@ -17,7 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.admin.cli",  # doctor, ls, stats, purge
     "kvtier.gateway.cli",  # gateway add|use|status|test
     "kvtier.model",  # model make-tiny
-    "kvtier.verify",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
+    "kvtier.verify.cli",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
 )
 

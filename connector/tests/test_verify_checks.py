@@ -21,7 +21,10 @@ import pytest
 from _helpers import send_completion_stream
 
 from kvtier.config import load_config
-from kvtier.verify import Settings, Step, first_failure, run
+from kvtier.verify.checks import Step
+from kvtier.verify.report import first_failure
+from kvtier.verify.settings import Settings
+from kvtier.verify.steps import run
 
 DOCS, DOC_TOKENS, CHUNK = 2, 512, 256
 COLD_TTFT, HIT_TTFT = 0.12, 0.01
