@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -139,11 +139,15 @@ def _kvtier_s3_store(cfg: KvtierConfig, client: str, prefix: str, threads: int) 
     """A store with only the S3 tier, writing under ``prefix`` (a full key prefix)."""
     from kvtier.tiers.s3 import make_s3_tier
 
-    sub = replace(
-        cfg,
-        s3_client=client,
-        remote_url=f"s3://{cfg.s3_bucket}/{prefix}",
-        extra_config=replace(cfg.extra_config, s3_file_prefix="", s3_max_io_concurrency=threads),
+    extra = cfg.extra_config.model_copy(
+        update={"s3_file_prefix": "", "s3_max_io_concurrency": threads}
+    )
+    sub = cfg.model_copy(
+        update={
+            "s3_client": client,
+            "remote_url": f"s3://{cfg.s3_bucket}/{prefix}",
+            "extra_config": extra,
+        }
     )
     tier: Tier = make_s3_tier(sub)
     return TieredStore([tier], _FP, io_threads=threads, max_inflight_writes=1 << 20)
