@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.admin.cli",  # doctor, ls, stats, purge
@@ -20,6 +21,14 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.verify.cli",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
 )
+
+
+def add_command(subparsers: Any, name: str, help: str, doc: str | None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows ``doc`` (its module's docstring) as written."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,6 +66,7 @@ from kvtier.bench.servers import (
     model_or_tiny,
     s3_settings,
 )
+from kvtier.cli import add_command
 from kvtier.completions import CompletionError
 from kvtier.format import HEADER_SIZE
 from kvtier.vllm.server import (
@@ -376,12 +377,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `compare` to `kvtier bench`."""
-    p = subparsers.add_parser(
-        "compare",
-        help="experiments A-D side by side: no cache, vLLM prefix cache, ExampleConnector, kvtier",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "experiments A-D side by side: no cache, vLLM prefix cache, ExampleConnector, kvtier"
+    p = add_command(subparsers, "compare", summary, __doc__)
     p.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
     p.add_argument(
         "--smoke", action="store_true", help=f"tiny sizes, scenarios {', '.join(SMOKE_SCENARIOS)}"

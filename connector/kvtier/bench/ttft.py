@@ -37,6 +37,7 @@ from kvtier.bench.servers import (
     random_prompts,
     s3_settings,
 )
+from kvtier.cli import add_command
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
@@ -200,12 +201,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `ttft` to `kvtier bench`."""
-    p = subparsers.add_parser(
-        "ttft",
-        help="TTFT: no connector vs kvtier (S3/disk/CPU) vs vLLM prefix cache vs ExampleConnector",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "TTFT: no connector vs kvtier (S3/disk/CPU) vs vLLM prefix cache vs ExampleConnector"
+    p = add_command(subparsers, "ttft", summary, __doc__)
     p.add_argument("--model", help="model dir (default: make the tiny model; needs the vLLM venv)")
     p.add_argument("--prompt-tokens", type=int, default=16384)
     p.add_argument("--prompts", type=int, default=3, help="distinct prompts (median reported)")

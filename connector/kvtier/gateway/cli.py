@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier.gateway
+from kvtier.cli import add_command
 from kvtier.gateway.channel import check_profile
 from kvtier.gateway.profile import (
     LOG_LEVELS,
@@ -114,12 +115,8 @@ def _cmd_test(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `gateway` to a CLI's subparsers (`kvtier.cli` calls this)."""
-    parser = subparsers.add_parser(
-        "gateway",
-        help="manage OpenAI-compatible API gateway profiles",
-        description=kvtier.gateway.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "manage OpenAI-compatible API gateway profiles"
+    parser = add_command(subparsers, "gateway", summary, kvtier.gateway.__doc__)
     _configure(parser)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier.verify
+from kvtier.cli import add_command
 from kvtier.completions import CompletionError
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.verify.checks import Step
@@ -176,12 +177,8 @@ def _positive(value: str) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `verify` to the kvtier CLI."""
-    p = subparsers.add_parser(
-        "verify",
-        help="cold -> restart -> warm (from S3) -> purge -> cold, with assertions and a report",
-        description=kvtier.verify.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "cold -> restart -> warm (from S3) -> purge -> cold, with assertions and a report"
+    p = add_command(subparsers, "verify", summary, kvtier.verify.__doc__)
     p.add_argument("--config", help="the server's kvtier YAML (default: $KVTIER_CONFIG)")
     p.add_argument(
         "--server-url", required=True, help="the vLLM server, e.g. http://127.0.0.1:8100"
