@@ -21,7 +21,7 @@ import pytest
 from _helpers import send_completion_stream
 
 from kvtier.bench import compare_report, longdoc
-from kvtier.bench.compare import cache_counters, kv_bytes_per_token, working_set_chunks
+from kvtier.bench.compare_sweep import kv_bytes_per_token, working_set_chunks
 from kvtier.bench.load import (
     CSV_FIELDS,
     Record,
@@ -35,6 +35,7 @@ from kvtier.bench.load import (
 )
 from kvtier.bench.longdoc import longdoc_plan, repeat_order
 from kvtier.bench.presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
+from kvtier.bench.rounds import cache_counters
 from kvtier.cli import main as cli_main
 from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.vllm.server import ServerError, VllmServer
