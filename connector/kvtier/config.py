@@ -104,10 +104,6 @@ def _namespace(value: str) -> str:
 Namespace = Annotated[str, AfterValidator(_namespace)]
 
 
-def _defaults_if_null(value: Any) -> Any:
-    return {} if value is None else value
-
-
 class S3Options(BaseModel):
     """``extra_config`` keys (LMCache names) that tune the S3 tier."""
 
@@ -153,7 +149,9 @@ class KvtierConfig(BaseModel):
     #: Timeout for one remote operation (connect + read), and the default flush timeout.
     blocking_timeout_secs: float = Field(default=10.0, ge=0)
     #: ``null`` is the defaults, as when the key is left out.
-    extra_config: Annotated[S3Options, BeforeValidator(_defaults_if_null)] = S3Options()
+    extra_config: Annotated[S3Options, BeforeValidator(lambda v: {} if v is None else v)] = (
+        S3Options()
+    )
     # ---- kvtier's own keys ----
     #: AWS profile (in ``~/.aws/credentials`` / ``~/.aws/config``) for the S3 tier.
     aws_profile: str | None = None
