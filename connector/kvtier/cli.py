@@ -1,8 +1,8 @@
 """`kvtier` command line: argparse subcommands contributed by modules.
 
 Each module in :data:`COMMAND_MODULES` exposes ``register(subparsers)``, which adds its parser and
-sets ``func`` (``args -> exit status``) as a default. Adding a command is one line here. Benchmarks
-go under ``kvtier bench``: modules in :data:`BENCH_MODULES` register into that group the same way.
+sets ``func`` (``args -> exit status``) as a default. Adding a command is one line here; a group
+(``kvtier bench``, ``kvtier gateway``) registers its own subcommands.
 """
 
 from __future__ import annotations
@@ -12,19 +12,23 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "kvtier.admin",  # doctor, ls, stats, purge
-    "kvtier.gateway",  # gateway profiles
+    "kvtier.admin.cli",  # doctor, ls, stats, purge
+    "kvtier.gateway.cli",  # gateway add|use|status|test
     "kvtier.model",  # model make-tiny
-    "kvtier.verify",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
+    "kvtier.verify.cli",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
+    "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
 )
-BENCH_MODULES: tuple[str, ...] = (
-    "kvtier.bench_store",  # bench store
-    "kvtier.bench_ttft",  # bench ttft (vLLM servers side by side)
-    "kvtier.bench_longdoc",  # bench longdoc (LMCache's long_doc_qa against a running server)
-    "kvtier.bench_experiments",  # bench compare (experiments A-D, scenarios side by side)
-)
+
+
+def add_command(subparsers: Any, name: str, help: str, doc: str | None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows ``doc`` (its module's docstring) as written."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands)
-    bench = commands.add_parser("bench", help="benchmarks (side-by-side, table + JSON)")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    for name in BENCH_MODULES:
-        importlib.import_module(name).register(bench_commands)
     return parser
 
 

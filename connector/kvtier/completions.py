@@ -13,7 +13,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,35 +72,43 @@ def stream_completion(
         ) from exc
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise CompletionError(f"completion failed: {server_url} unreachable: {exc}") from exc
-    ttft: float | None = None
-    ids: list[int] = []
-    text: list[str] = []
-    prompt_tokens = 0
     try:
         with resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if event.get("usage"):
-                    prompt_tokens = int(event["usage"]["prompt_tokens"])
-                for choice in event.get("choices", []):
-                    new_ids = choice.get("token_ids") or []
-                    if (new_ids or choice.get("text")) and ttft is None:
-                        ttft = time.perf_counter() - start
-                    ids.extend(new_ids)
-                    text.append(choice.get("text") or "")
+            completion = _read_stream(resp, start)
     # A server that dies or times out mid-stream, or sends something that is not the
     # OpenAI event stream: one error type for the callers to report.
     except (OSError, http.client.HTTPException) as exc:
         raise CompletionError(f"the stream from {server_url} broke off: {exc!r}") from exc
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CompletionError(f"the stream from {server_url} is malformed: {exc!r}") from exc
+    if completion is None:
+        raise CompletionError(f"the stream from {server_url} ended without any token")
+    return completion
+
+
+def _read_stream(resp: Iterable[bytes], start: float) -> Completion | None:
+    """The completion in a server-sent event stream; None when it holds no token."""
+    ttft: float | None = None
+    ids: list[int] = []
+    text: list[str] = []
+    prompt_tokens = 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if event.get("usage"):
+            prompt_tokens = int(event["usage"]["prompt_tokens"])
+        for choice in event.get("choices", []):
+            new_ids = choice.get("token_ids") or []
+            if (new_ids or choice.get("text")) and ttft is None:
+                ttft = time.perf_counter() - start
+            ids.extend(new_ids)
+            text.append(choice.get("text") or "")
     total = time.perf_counter() - start
     if ttft is None:
-        raise CompletionError(f"the stream from {server_url} ended without any token")
+        return None
     return Completion(ids, "".join(text), ttft, total, prompt_tokens)

@@ -14,15 +14,26 @@ import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+_Stats = TypeVar("_Stats", "TierStats", "StoreStats")
 
 
-def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0) + v
-    return out
+def _added(a: _Stats, b: _Stats, maxima: tuple[str, ...] = ()) -> _Stats:
+    """Field by field: numbers added (the ``maxima`` fields: the larger one), mappings merged
+    key by key. A new snapshot: nothing in it is shared with ``a`` or ``b``."""
+    values: dict[str, Any] = {}
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict):
+            merged = {k: type(v)() + v for k, v in x.items()}  # int() is 0, TierStats() empty
+            for k, v in y.items():
+                merged[k] = merged.get(k, type(v)()) + v
+            values[f.name] = merged
+        else:
+            values[f.name] = max(x, y) if f.name in maxima else x + y
+    return type(a)(**values)
 
 
 @dataclass
@@ -42,18 +53,7 @@ class TierStats:
     errors: dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: TierStats) -> TierStats:
-        return TierStats(
-            hits=self.hits + other.hits,
-            misses=self.misses + other.misses,
-            bytes_read=self.bytes_read + other.bytes_read,
-            puts=self.puts + other.puts,
-            bytes_written=self.bytes_written + other.bytes_written,
-            evictions=self.evictions + other.evictions,
-            get_seconds=self.get_seconds + other.get_seconds,
-            get_max_seconds=max(self.get_max_seconds, other.get_max_seconds),
-            put_seconds=self.put_seconds + other.put_seconds,
-            errors=_add_counts(self.errors, other.errors),
-        )
+        return _added(self, other, maxima=("get_max_seconds",))
 
     @property
     def mean_get_ms(self) -> float:
@@ -79,20 +79,7 @@ class StoreStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
 
     def __add__(self, other: StoreStats) -> StoreStats:
-        tiers = {k: TierStats() + v for k, v in self.tiers.items()}
-        for k, v in other.tiers.items():
-            tiers[k] = tiers.get(k, TierStats()) + v
-        return StoreStats(
-            lookups=self.lookups + other.lookups,
-            lookup_chunks=self.lookup_chunks + other.lookup_chunks,
-            lookup_hit_chunks=self.lookup_hit_chunks + other.lookup_hit_chunks,
-            gets=self.gets + other.gets,
-            get_hits=self.get_hits + other.get_hits,
-            puts=self.puts + other.puts,
-            put_bytes=self.put_bytes + other.put_bytes,
-            dropped_writes=self.dropped_writes + other.dropped_writes,
-            tiers=tiers,
-        )
+        return _added(self, other)
 
     def merge(self, other: StoreStats) -> StoreStats:
         """Same as ``self + other`` (returns a new snapshot)."""

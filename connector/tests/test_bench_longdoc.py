@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import pytest
 from _helpers import send_completion_stream
 
-from kvtier import bench_compare_report, bench_longdoc
-from kvtier.bench_experiments import cache_counters, kv_bytes_per_token, working_set_chunks
-from kvtier.bench_load import (
+from kvtier.bench import compare_report, longdoc
+from kvtier.bench.compare_sweep import kv_bytes_per_token, working_set_chunks
+from kvtier.bench.load import (
     CSV_FIELDS,
     Record,
     Request,
@@ -33,8 +33,9 @@ from kvtier.bench_load import (
     write_csv,
     write_json,
 )
-from kvtier.bench_longdoc import longdoc_plan, repeat_order
-from kvtier.bench_presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
+from kvtier.bench.longdoc import longdoc_plan, repeat_order
+from kvtier.bench.presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
+from kvtier.bench.rounds import cache_counters
 from kvtier.cli import main as cli_main
 from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.vllm.server import ServerError, VllmServer
@@ -256,7 +257,7 @@ def test_csv_and_json_hold_one_row_per_request_and_the_summary(tmp_path: Path) -
         ("warm", "doc-0", "repeat"),
     ]
     assert len(rows) == 9 and rows[5]["kind"] == "new" and float(rows[5]["ttft_s"]) == 0.8
-    report = bench_longdoc.longdoc_report({"documents": 3}, records)
+    report = longdoc.longdoc_report({"documents": 3}, records)
     report["rounds"]["warm"]["ttft_p99_s"] = math.nan  # written as null, still valid JSON
     write_json(str(tmp_path / "r.json"), report)
     data = json.loads((tmp_path / "r.json").read_text())
@@ -265,7 +266,7 @@ def test_csv_and_json_hold_one_row_per_request_and_the_summary(tmp_path: Path) -
     assert data["rounds"]["warm"]["ttft_p99_s"] is None
     assert data["ttft_gain_cold_over_warm_repeat"] == pytest.approx(8.0)
     assert len(data["requests"]) == 9
-    table = bench_longdoc.format_table(report)
+    table = longdoc.format_table(report)
     assert "| warm, new docs | 2 | 0 |" in table and "8.00x" in table
 
 
@@ -273,12 +274,12 @@ def test_longdoc_plot_writes_a_png_or_nothing_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "ld.png"
-    monkeypatch.setattr(bench_longdoc, "pyplot", lambda: None)
-    assert bench_longdoc.plot_requests(_records(), str(path), "t") is None
+    monkeypatch.setattr(longdoc, "pyplot", lambda: None)
+    assert longdoc.plot_requests(_records(), str(path), "t") is None
     assert not path.exists()
     monkeypatch.undo()
     pytest.importorskip("matplotlib")
-    assert bench_longdoc.plot_requests(_records(), str(path), "t") == str(path)
+    assert longdoc.plot_requests(_records(), str(path), "t") == str(path)
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -325,7 +326,7 @@ def _compare_report() -> dict[str, Any]:
 
 
 def test_compare_tables_name_every_preset_and_a_failed_scenario() -> None:
-    text = bench_compare_report.format_tables(_compare_report())
+    text = compare_report.format_tables(_compare_report())
     for title in ("A: one long prompt", "B: conversation", "C: mixed load", "D: short prompt"):
         assert title in text
     assert "| vLLM prefix cache | 0.600 | 0.060 | 0.060 | 0.100 | 95% |" in text
@@ -341,7 +342,7 @@ def test_compare_plots_one_png_per_preset(tmp_path: Path) -> None:
     report = _compare_report()
     for key in "ABCD":
         path = tmp_path / f"bench-compare-{key}.png"
-        assert bench_compare_report.plot_preset(report, key, str(path)) == str(path)
+        assert compare_report.plot_preset(report, key, str(path)) == str(path)
         assert path.read_bytes()[:8] == PNG_MAGIC
 
 

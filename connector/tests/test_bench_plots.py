@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvtier import bench_store, bench_ttft
+from kvtier.bench import store as bench_store
+from kvtier.bench import store_runs
+from kvtier.bench import ttft as bench_ttft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -55,7 +57,7 @@ def test_store_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     mib = 1024 * 1024
     cells = [
-        bench_store.Cell(client, mib, op, speed, 1.0)
+        store_runs.Cell(client, mib, op, speed, 1.0)
         for op in ("put", "get")
         for client, speed in (("raw boto3 16 thr", 300.0), ("kvtier s3 (boto3)", 280.0))
     ]

@@ -18,7 +18,7 @@ import yaml
 
 from kvtier.cli import main as cli_main
 from kvtier.config import load_config
-from kvtier.tiers.s3 import make_boto3_client
+from kvtier.tiers.s3_boto3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
 

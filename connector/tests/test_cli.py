@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from _helpers import FINGERPRINT, chunks
 
-from kvtier import admin
+from kvtier.admin.cli import cmd_purge
 from kvtier.cli import build_parser, main
 from kvtier.config import load_config
 from kvtier.store import TieredStore
@@ -54,13 +54,13 @@ def test_ls_and_stats(disk_config: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_purge_asks_unless_yes(disk_config: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["purge", "--config", str(disk_config)])
-    assert admin.cmd_purge(args, confirm=lambda _q: "n") == 1
+    assert cmd_purge(args, confirm=lambda _q: "n") == 1
     assert "aborted" in capsys.readouterr().out
     # no terminal and no --yes: refuse rather than delete
     assert main(["purge", "--config", str(disk_config)]) == 2
     assert "without --yes" in capsys.readouterr().err
     assert main(["purge", "--config", str(disk_config), "--namespace", "other", "--yes"]) == 0
     assert "nothing to purge" in capsys.readouterr().out
-    assert admin.cmd_purge(args, confirm=lambda _q: "y") == 0
+    assert cmd_purge(args, confirm=lambda _q: "y") == 0
     assert "disk: deleted 3 chunks" in capsys.readouterr().out
     assert not list((disk_config.parent / "disk").rglob("*.kvt"))

@@ -71,6 +71,10 @@ def test_typo_in_extra_config(tmp_path: Path) -> None:
         ConfigError, match=r"extra_config.s3_regoin.*did you mean 'extra_config.s3_region'"
     ):
         load_config(path)
+    # no close key: the valid ones, not the shared "extra_config." prefix taken for a match
+    path = _write(tmp_path, "extra_config:\n  zzz: x\n")
+    with pytest.raises(ConfigError, match=r"'extra_config.zzz' .*; valid keys: extra_config\."):
+        load_config(path)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import gateway
-from kvtier.gateway import Outcome, Profile
+from kvtier.gateway.channel import Outcome, check_profile
+from kvtier.gateway.cli import main as gateway_main
+from kvtier.gateway.profile import (
+    GatewayError,
+    Profile,
+    active_profile_name,
+    load_profile,
+    profile_from_toml,
+    profile_to_toml,
+)
 
 KEY = "sk-test-0123456789"
 MODEL = "tiny"
@@ -103,13 +111,13 @@ def _profile(base_url: str, **overrides: object) -> Profile:
 
 
 def test_valid_server_answers_ok(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1"))
+    result = check_profile(_profile(f"{server}/v1"))
     assert result.outcome is Outcome.OK, result.message
     assert f"'{MODEL}' answered" in result.message
 
 
 def test_wrong_key_is_401_with_whitespace_hint(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1", api_key="sk-wrong"))
+    result = check_profile(_profile(f"{server}/v1", api_key="sk-wrong"))
     assert result.outcome is Outcome.AUTH
     assert "HTTP 401" in result.message
     assert "whitespace" in result.message
@@ -117,64 +125,64 @@ def test_wrong_key_is_401_with_whitespace_hint(server: str) -> None:
 
 def test_space_inside_key_is_named_before_sending(server: str) -> None:
     # Headers allow a space, so tools send it and get a bare 401; name the real cause instead.
-    result = gateway.check_profile(_profile(f"{server}/v1", api_key="sk-test 0123456789"))
+    result = check_profile(_profile(f"{server}/v1", api_key="sk-test 0123456789"))
     assert result.outcome is Outcome.KEY_WHITESPACE
     assert "whitespace" in result.message
 
 
 def test_trailing_newline_in_key_is_named_before_sending(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1", api_key=KEY + "\n"))
+    result = check_profile(_profile(f"{server}/v1", api_key=KEY + "\n"))
     assert result.outcome is Outcome.KEY_WHITESPACE
     assert "newline" in result.message
 
 
 def test_trailing_slash_in_base_url_is_diagnosed(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1/"))
+    result = check_profile(_profile(f"{server}/v1/"))
     assert result.outcome is Outcome.BAD_BASE_URL
     assert "HTTP 404" in result.message
     assert "remove the trailing slash" in result.message
 
 
 def test_endpoint_path_in_base_url_is_diagnosed(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1/chat/completions"))
+    result = check_profile(_profile(f"{server}/v1/chat/completions"))
     assert result.outcome is Outcome.BAD_BASE_URL
     assert "must be the API root" in result.message
 
 
 def test_missing_v1_is_diagnosed(server: str) -> None:
-    result = gateway.check_profile(_profile(server))
+    result = check_profile(_profile(server))
     assert result.outcome is Outcome.BAD_BASE_URL
     assert "'/v1'" in result.message
 
 
 def test_unknown_model_is_not_blamed_on_base_url(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/v1", default_model="gpt-9"))
+    result = check_profile(_profile(f"{server}/v1", default_model="gpt-9"))
     assert result.outcome is Outcome.MODEL_NOT_FOUND
     assert "'gpt-9'" in result.message
     assert "does not exist" in result.message
 
 
 def test_model_without_chat_template_is_diagnosed(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/base-model/v1"))
+    result = check_profile(_profile(f"{server}/base-model/v1"))
     assert result.outcome is Outcome.NO_CHAT_TEMPLATE
     assert "--chat-template" in result.message
 
 
 def test_connection_refused_is_diagnosed(closed_port: int) -> None:
-    result = gateway.check_profile(_profile(f"http://127.0.0.1:{closed_port}/v1"))
+    result = check_profile(_profile(f"http://127.0.0.1:{closed_port}/v1"))
     assert result.outcome is Outcome.CONNECTION_REFUSED
     assert f"127.0.0.1:{closed_port}" in result.message
     assert "Is the server running" in result.message
 
 
 def test_slow_server_times_out(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/slow/v1", timeout_secs=1))
+    result = check_profile(_profile(f"{server}/slow/v1", timeout_secs=1))
     assert result.outcome is Outcome.TIMEOUT
     assert "timeout_secs=1" in result.message
 
 
 def test_answer_without_choices_is_rejected(server: str) -> None:
-    result = gateway.check_profile(_profile(f"{server}/html/v1"))
+    result = check_profile(_profile(f"{server}/html/v1"))
     assert result.outcome is Outcome.BAD_RESPONSE
     assert "no 'choices'" in result.message
 
@@ -185,14 +193,14 @@ def test_environment_proxy_is_ignored_for_profile_without_proxy(
     # A dead proxy in the shell must not break a profile that says "no proxy".
     monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{closed_port}")
     monkeypatch.setenv("no_proxy", "")
-    assert gateway.check_profile(_profile(f"{server}/v1")).ok
+    assert check_profile(_profile(f"{server}/v1")).ok
 
 
 # --- files and the active pointer -------------------------------------------------------------
 
 
 def _add(tmp_path: Path, name: str, base_url: str, *extra: str) -> int:
-    return gateway.main(
+    return gateway_main(
         ["--dir", str(tmp_path), "add", name, "--base-url", base_url, "--model", MODEL, *extra]
     )
 
@@ -224,7 +232,7 @@ def test_add_writes_private_toml_and_mirroring_settings(
     assert settings["local"]["retries"] == 2
     assert settings["editor"]["provider"] == "local"
     # The first profile becomes the active one.
-    assert gateway.active_profile_name(tmp_path) == "local"
+    assert active_profile_name(tmp_path) == "local"
 
 
 def test_use_switches_and_status_prints_base_url(
@@ -233,12 +241,12 @@ def test_use_switches_and_status_prints_base_url(
     monkeypatch.setenv("KVTIER_GATEWAY_API_KEY", KEY)
     assert _add(tmp_path, "local", "http://127.0.0.1:8100/v1") == 0
     assert _add(tmp_path, "remote", "https://llm.example.com/v1") == 0
-    assert gateway.active_profile_name(tmp_path) == "local"
+    assert active_profile_name(tmp_path) == "local"
 
-    assert gateway.main(["--dir", str(tmp_path), "use", "remote"]) == 0
+    assert gateway_main(["--dir", str(tmp_path), "use", "remote"]) == 0
     assert (tmp_path / "active").is_symlink()
     capsys.readouterr()
-    assert gateway.main(["--dir", str(tmp_path), "status"]) == 0
+    assert gateway_main(["--dir", str(tmp_path), "status"]) == 0
     out = capsys.readouterr().out
     assert "active profile: remote" in out
     assert "base_url: https://llm.example.com/v1" in out
@@ -250,11 +258,11 @@ def test_use_of_unknown_profile_names_the_existing_ones(
 ) -> None:
     monkeypatch.setenv("KVTIER_GATEWAY_API_KEY", KEY)
     _add(tmp_path, "local", "http://127.0.0.1:8100/v1")
-    assert gateway.main(["--dir", str(tmp_path), "use", "prod"]) == 2
+    assert gateway_main(["--dir", str(tmp_path), "use", "prod"]) == 2
     err = capsys.readouterr().err
     assert "no profile 'prod'" in err
     assert "profiles: local" in err
-    assert gateway.active_profile_name(tmp_path) == "local"
+    assert active_profile_name(tmp_path) == "local"
 
 
 def test_add_refuses_to_overwrite_without_force(
@@ -264,7 +272,7 @@ def test_add_refuses_to_overwrite_without_force(
     assert _add(tmp_path, "local", "http://127.0.0.1:8100/v1") == 0
     assert _add(tmp_path, "local", "http://127.0.0.1:9999/v1") == 2
     assert _add(tmp_path, "local", "http://127.0.0.1:9999/v1", "--force") == 0
-    assert gateway.load_profile(tmp_path, "local").base_url == "http://127.0.0.1:9999/v1"
+    assert load_profile(tmp_path, "local").base_url == "http://127.0.0.1:9999/v1"
 
 
 def test_add_without_key_says_where_to_put_it(
@@ -286,7 +294,7 @@ def test_add_warns_about_trailing_slash(
 def test_status_without_profiles_fails_clearly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert gateway.main(["--dir", str(tmp_path), "status"]) == 1
+    assert gateway_main(["--dir", str(tmp_path), "status"]) == 1
     assert "no active profile" in capsys.readouterr().out
 
 
@@ -296,8 +304,8 @@ def test_unknown_key_in_config_is_rejected_with_suggestion(tmp_path: Path) -> No
     (profile_dir / "config.toml").write_text(
         '[api]\nbase_url = "http://h/v1"\napi_key = "k"\ntimeout_sec = 5\n[models]\ndefault = "m"\n'
     )
-    with pytest.raises(gateway.GatewayError, match="did you mean 'timeout_secs'"):
-        gateway.load_profile(tmp_path, "local")
+    with pytest.raises(GatewayError, match="did you mean 'timeout_secs'"):
+        load_profile(tmp_path, "local")
 
 
 def test_wrong_type_in_config_is_rejected(tmp_path: Path) -> None:
@@ -307,17 +315,15 @@ def test_wrong_type_in_config_is_rejected(tmp_path: Path) -> None:
         '[api]\nbase_url = "http://h/v1"\napi_key = "k"\nmax_retries = "3"\n'
         '[models]\ndefault = "m"\n'
     )
-    with pytest.raises(
-        gateway.GatewayError, match=r"max_retries in .* must be an integer, got '3'"
-    ):
-        gateway.load_profile(tmp_path, "local")
+    with pytest.raises(GatewayError, match=r"max_retries in .* must be an integer, got '3'"):
+        load_profile(tmp_path, "local")
 
 
 @pytest.mark.parametrize("value", ['quo"te', "back\\slash", "tab\tnew\nline\x7f", "ünï ☃ 🐍"])
 def test_toml_writer_round_trips(value: str) -> None:
     profile = _profile("http://127.0.0.1:8100/v1", default_model=value, log_file=value)
-    doc = tomllib.loads(gateway.profile_to_toml(profile))
-    assert gateway.profile_from_toml("t", doc, "test") == profile
+    doc = tomllib.loads(profile_to_toml(profile))
+    assert profile_from_toml("t", doc, "test") == profile
 
 
 def test_test_command_reports_failure_on_stderr(
@@ -328,7 +334,7 @@ def test_test_command_reports_failure_on_stderr(
 ) -> None:
     monkeypatch.setenv("KVTIER_GATEWAY_API_KEY", KEY)
     _add(tmp_path, "down", f"http://127.0.0.1:{closed_port}/v1")
-    assert gateway.main(["--dir", str(tmp_path), "test"]) == 1
+    assert gateway_main(["--dir", str(tmp_path), "test"]) == 1
     assert "FAILED (connection refused)" in capsys.readouterr().err
 
 
@@ -338,5 +344,5 @@ def test_test_command_ok_against_server(
     monkeypatch.setenv("KVTIER_GATEWAY_API_KEY", KEY)
     _add(tmp_path, "up", f"{server}/v1")
     capsys.readouterr()
-    assert gateway.main(["--dir", str(tmp_path), "test", "up"]) == 0
+    assert gateway_main(["--dir", str(tmp_path), "test", "up"]) == 0
     assert capsys.readouterr().out.startswith("OK: model 'tiny' answered")

@@ -22,7 +22,7 @@ from kvtier.cli import main as cli_main
 from kvtier.config import KvtierConfig, load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.store import TieredStore
-from kvtier.tiers.s3 import make_boto3_client
+from kvtier.tiers.s3_boto3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
 
@@ -278,10 +278,10 @@ def test_ls_stats_and_purge(
     assert cli_main(["purge", "--config", str(path), "--namespace", "other"]) == 0
     assert "nothing to purge" in capsys.readouterr().out
     answers = iter(["n"])
-    from kvtier import admin
+    from kvtier.admin.cli import cmd_purge
 
     args = admin_args(path)
-    assert admin.cmd_purge(args, confirm=lambda _q: next(answers)) == 1
+    assert cmd_purge(args, confirm=lambda _q: next(answers)) == 1
     assert len(_objects(cfg)) == 4
     assert cli_main(["purge", "--config", str(path), "--yes"]) == 0
     out = capsys.readouterr().out

@@ -21,7 +21,10 @@ import pytest
 from _helpers import send_completion_stream
 
 from kvtier.config import load_config
-from kvtier.verify import Settings, Step, first_failure, run
+from kvtier.verify.checks import Step
+from kvtier.verify.report import first_failure
+from kvtier.verify.settings import Settings
+from kvtier.verify.steps import run
 
 DOCS, DOC_TOKENS, CHUNK = 2, 512, 256
 COLD_TTFT, HIT_TTFT = 0.12, 0.01
@@ -107,12 +110,14 @@ def fake_vllm() -> Iterator[str]:
 
 
 def _verify(url: str, fault: str, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
-    import kvtier.admin
+    import kvtier.admin.chunks
 
     _FakeVllm.fault = fault
     objects = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost_object" else 0)
-    monkeypatch.setattr(kvtier.admin, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
-    monkeypatch.setattr(kvtier.admin, "count_chunks", lambda cfg, ns: {"s3": objects, "disk": 0})
+    monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
+    monkeypatch.setattr(
+        kvtier.admin.chunks, "count_chunks", lambda cfg, ns: {"s3": objects, "disk": 0}
+    )
     cfg = load_config({"remote_url": "s3://bkt/kv", "request_namespaces": ["kvtier-verify"]})
     settings = Settings(
         server_url=url,

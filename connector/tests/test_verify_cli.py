@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.verify import exclusive
+from kvtier.verify.lock import exclusive
 
 BASE = [
     "verify",

@@ -1,5 +1,10 @@
 """S3 tier (Ceph RGW, MinIO, AWS): one object per chunk under ``<prefix>/<key>``.
 
+Two clients, one module each: :mod:`kvtier.tiers.s3_boto3` and :mod:`kvtier.tiers.s3_crt`
+(awscrt's native client, which borrows the boto3 tier's endpoint, credentials and listing).
+This module only picks between them (:func:`make_s3_tier`), so neither imports the other's
+factory. What both share:
+
 * Endpoint and credentials come from ``endpoint_url`` / ``aws_profile`` in the kvtier config, else
   from the profile (``~/.aws/config`` may carry ``endpoint_url``) or the usual AWS environment.
 * Path-style addressing (RGW without wildcard DNS), request/response checksums only when required
@@ -12,23 +17,16 @@
 * Eviction is the bucket's lifecycle rule (expiry by age, written by the playbook) plus
   ``kvtier purge``; kvtier does not track remote usage.
 
-boto3 is imported lazily: only processes with the S3 tier on pay for it.
+boto3 and awscrt are imported lazily (inside the clients): only processes with the S3 tier on
+pay for them.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any, TypeVar
-
-from kvtier.config import ConfigError, KvtierConfig
-from kvtier.format import HEADER_SIZE
-from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
+from kvtier.config import KvtierConfig
+from kvtier.tiers.base import Tier
+from kvtier.tiers.s3_boto3 import Boto3S3Tier
+from kvtier.tiers.s3_crt import CrtS3Tier
 
 
 def make_s3_tier(cfg: KvtierConfig) -> Tier:
@@ -39,184 +37,8 @@ def make_s3_tier(cfg: KvtierConfig) -> Tier:
     writes run in the background next to the model, so CPU is what matters), while boto3 GETs
     were 1.7-2.8x faster than awscrt's, whose body reaches Python through a callback.
     """
-    from kvtier.tiers.s3_crt import CrtS3Tier
-
     if cfg.s3_client == "crt":
         return CrtS3Tier.from_config(cfg)
     if cfg.s3_client == "auto":
         return CrtS3Tier.from_config(cfg, reads_via_boto3=True)
     return Boto3S3Tier.from_config(cfg)
-
-
-def s3_client_config(cfg: KvtierConfig, pool: int) -> Any:
-    from botocore.config import Config
-
-    return Config(
-        region_name=cfg.extra_config.s3_region,
-        s3={"addressing_style": "path"},
-        signature_version="s3v4",
-        connect_timeout=cfg.blocking_timeout_secs,
-        read_timeout=cfg.blocking_timeout_secs,
-        retries={"max_attempts": 3, "mode": "standard"},
-        max_pool_connections=pool,
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-
-
-def make_boto3_client(cfg: KvtierConfig, pool: int = 32) -> Any:
-    """A boto3 S3 client for ``cfg``; raises ConfigError naming the key to fix."""
-    import boto3
-    from botocore.exceptions import ProfileNotFound
-
-    try:
-        session = boto3.session.Session(profile_name=cfg.aws_profile)
-    except ProfileNotFound as exc:
-        raise ConfigError(
-            f"key 'aws_profile' in {cfg.source}: profile {cfg.aws_profile!r} not found in "
-            f"~/.aws/config or ~/.aws/credentials (or $AWS_CONFIG_FILE / "
-            f"$AWS_SHARED_CREDENTIALS_FILE) of this user"
-        ) from exc
-    return session.client("s3", endpoint_url=cfg.endpoint_url, config=s3_client_config(cfg, pool))
-
-
-def error_cause(exc: BaseException) -> str:
-    """A short counter label for an S3 client failure."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionError,
-        ConnectTimeoutError,
-        NoCredentialsError,
-        ReadTimeoutError,
-    )
-
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code") or "")
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code if code and not code.isdigit() else f"http_{status or code}"
-    if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):
-        return "timeout"
-    if isinstance(exc, ConnectionError):
-        return "connection"
-    if isinstance(exc, NoCredentialsError):
-        return "no_credentials"
-    return type(exc).__name__
-
-
-class Boto3S3Tier(Tier):
-    name = "s3"
-
-    def __init__(self, client: Any, bucket: str, prefix: str, concurrency: int = 32) -> None:
-        self._client = client
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(1, min(concurrency, 64)), thread_name_prefix="kvtier-s3"
-        )
-
-    @classmethod
-    def from_config(cls, cfg: KvtierConfig) -> Boto3S3Tier:
-        pool = cfg.extra_config.s3_max_io_concurrency
-        if cfg.s3_bucket is None:
-            raise ConfigError(f"key 'remote_url' in {cfg.source} is needed for the S3 tier")
-        return cls(make_boto3_client(cfg, pool), cfg.s3_bucket, cfg.s3_prefix, pool)
-
-    def object_key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except Exception as exc:  # every client failure becomes a TierError with a cause
-            raise TierError(error_cause(exc), f"S3 {what} s3://{self.bucket}/{key}: {exc}") from exc
-
-    @staticmethod
-    def _is_not_found(exc: BaseException) -> bool:
-        from botocore.exceptions import ClientError
-
-        if not isinstance(exc, ClientError):
-            return False
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        return code in ("404", "NoSuchKey", "NotFound")
-
-    def contains(self, key: str) -> bool:
-        okey = self.object_key(key)
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=okey)
-            return True
-        except Exception as exc:
-            if self._is_not_found(exc):
-                return False
-            raise TierError(error_cause(exc), f"S3 HEAD s3://{self.bucket}/{okey}: {exc}") from exc
-
-    def _pool_map(self, fn: Callable[[str], bool], keys: Sequence[str]) -> list[bool]:
-        if len(keys) <= 1:
-            return [fn(k) for k in keys]
-        return list(self._pool.map(fn, keys))
-
-    def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return self._pool_map(self.contains, keys)
-
-    def get(self, key: str) -> Stored | None:
-        okey = self.object_key(key)
-        try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=okey)
-            body = resp["Body"]
-            try:
-                # two reads: the payload lands in its own bytes object, no copy to split it
-                header: bytes = body.read(HEADER_SIZE)
-                payload: bytes = body.read()
-            finally:
-                body.close()
-            return header, payload
-        except Exception as exc:
-            if self._is_not_found(exc):
-                return None
-            raise TierError(error_cause(exc), f"S3 GET s3://{self.bucket}/{okey}: {exc}") from exc
-
-    def put(self, key: str, header: bytes, payload: bytes) -> None:
-        okey = self.object_key(key)
-        self._call(
-            "PUT",
-            okey,
-            lambda: self._client.put_object(
-                Bucket=self.bucket, Key=okey, Body=ChunkReader(header, payload)
-            ),
-        )
-
-    def delete(self, key: str) -> None:
-        okey = self.object_key(key)
-        self._call("DELETE", okey, lambda: self._client.delete_object(Bucket=self.bucket, Key=okey))
-
-    def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
-        """Walks the bucket listing (paginated); keys are returned without the tier prefix."""
-        full = self.object_key(prefix)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        paginator = self._client.get_paginator("list_objects_v2")
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
-                for obj in page.get("Contents", []):
-                    yield obj["Key"][strip:], int(obj["Size"])
-        except Exception as exc:
-            raise TierError(error_cause(exc), f"S3 LIST s3://{self.bucket}/{full}: {exc}") from exc
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        """Delete up to 1000 keys per request; return how many were deleted."""
-        deleted = 0
-        for i in range(0, len(keys), 1000):
-            batch = [{"Key": self.object_key(k)} for k in keys[i : i + 1000]]
-            resp: dict[str, Any] = self._call(
-                "DELETE",
-                batch[0]["Key"],
-                partial(
-                    self._client.delete_objects,
-                    Bucket=self.bucket,
-                    Delete={"Objects": batch, "Quiet": True},
-                ),
-            )
-            deleted += len(batch) - len(resp.get("Errors", []))
-        return deleted
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

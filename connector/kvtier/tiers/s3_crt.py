@@ -24,7 +24,7 @@ from urllib.parse import quote, urlparse
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.format import HEADER_SIZE
 from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
-from kvtier.tiers.s3 import Boto3S3Tier
+from kvtier.tiers.s3_boto3 import Boto3S3Tier
 
 
 def _crt_cause(exc: BaseException) -> str:

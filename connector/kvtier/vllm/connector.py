@@ -16,7 +16,6 @@ movement in `worker.WorkerSide`, layouts in `layout`, metrics in `stats`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -151,7 +150,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # The worker's CPU tier is not ours to see. Stats go to a subdirectory: in single-process
         # mode the worker's store has the same pid, hence the same stats file name.
         stats = os.path.join(cfg.stats_path, "scheduler") if cfg.stats_path else None
-        shared = dataclasses.replace(cfg, local_cpu=False, stats_dir=stats)
+        shared = cfg.model_copy(update={"local_cpu": False, "stats_dir": stats})
         if shared.local_disk or shared.remote_url:
             self._lookup_store = TieredStore.from_config(shared, self.fingerprint)
             _warm_up(self._lookup_store)

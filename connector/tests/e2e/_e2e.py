@@ -64,7 +64,7 @@ class S3Target:
         return values
 
     def client(self) -> Any:
-        from kvtier.tiers.s3 import make_boto3_client
+        from kvtier.tiers.s3_boto3 import make_boto3_client
 
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)

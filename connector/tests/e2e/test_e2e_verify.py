@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 from _e2e import OUTPUT_TOKENS, S3Target, Servers, prompt
 
-from kvtier.admin import count_chunks
+from kvtier.admin.chunks import count_chunks
 from kvtier.config import load_config
-from kvtier.verify import Settings, Step, first_failure, markdown, report, run
+from kvtier.verify.checks import Step
+from kvtier.verify.report import first_failure, markdown, report
+from kvtier.verify.settings import Settings
+from kvtier.verify.steps import run
 from kvtier.vllm.server import VllmServer
 
 NAMESPACE = "kvtier-verify"

@@ -94,7 +94,7 @@ def s3_settings(config_file: str, namespace: str) -> dict[str, Any]:
 
 def delete_namespace(settings: Mapping[str, Any]) -> None:
     """Remove the chunks this run wrote to S3 (its own namespace). Raises TierError."""
-    from kvtier.admin import purge_namespace
+    from kvtier.admin.chunks import purge_namespace
     from kvtier.config import load_config
 
     cfg = load_config(dict(settings))

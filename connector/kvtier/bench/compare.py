@@ -32,32 +32,28 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
-import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_compare_report import format_tables, plot_preset
-from kvtier.bench_load import (
+from kvtier.bench.compare_report import format_tables, plot_preset
+from kvtier.bench.compare_sweep import run_sweep
+from kvtier.bench.load import (
     ROUNDS,
-    Record,
     csv_rows,
-    run_requests,
-    summarize,
     warm_up,
     write_csv,
     write_json,
 )
-from kvtier.bench_presets import FULL, PRESETS, SMOKE, MixedLoad, Preset, Sizes, make_presets
-from kvtier.bench_vllm import (
+from kvtier.bench.presets import FULL, PRESETS, SMOKE, Preset, make_presets
+from kvtier.bench.rounds import SCENARIO_ERRORS, measure
+from kvtier.bench.servers import (
     ServerFactory,
     batch_budget,
     cpu_tier,
@@ -66,23 +62,13 @@ from kvtier.bench_vllm import (
     model_or_tiny,
     s3_settings,
 )
-from kvtier.completions import CompletionError
-from kvtier.format import HEADER_SIZE
+from kvtier.cli import add_command
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
-    ServerError,
     VllmServer,
     example_transfer_config,
     kvtier_transfer_config,
-    metric_sum,
 )
-
-SWEEP_SHARES = (1.0, 0.5, 0.25, 0.1)
-CHUNK_TOKENS = 256  # kvtier's default chunk_size: the unit the working set is counted in
-_GIB = 1024**3
-_MIB = 1024**2
-#: What ends a scenario early (a server that died or did not start); the report says which.
-_SCENARIO_ERRORS = (ServerError, CompletionError, OSError)
 
 
 @dataclass(frozen=True)
@@ -107,46 +93,7 @@ SCENARIOS = (
 SMOKE_SCENARIOS = ("vllm-prefix", "kvtier-cpu")
 
 
-# ----------------------------------------------------------------------------- measuring
-_COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
-    "server_prompt_tokens": ("vllm:prompt_tokens_total", {}),
-    "local_hit_tokens": ("vllm:prefix_cache_hits_total", {}),
-    "external_hit_tokens": ("vllm:external_prefix_cache_hits_total", {}),
-    "kvtier_loaded_tokens": ("kvtier:loaded_tokens_total", {}),
-    "kvtier_cpu_hit_chunks": ("kvtier:tier_hits_total", {"tier": "cpu"}),
-    "kvtier_disk_hit_chunks": ("kvtier:tier_hits_total", {"tier": "disk"}),
-    "kvtier_s3_hit_chunks": ("kvtier:tier_hits_total", {"tier": "s3"}),
-}
-
-
-def cache_counters(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """Deltas of the cache counters between two /metrics snapshots, and the hit rate."""
-    out = {
-        key: metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
-        for key, (name, labels) in _COUNTERS.items()
-    }
-    served = out["local_hit_tokens"] + out["external_hit_tokens"]
-    prompt = out["server_prompt_tokens"]
-    out["hit_rate"] = served / prompt if prompt else math.nan
-    return out
-
-
-def measure(
-    server: VllmServer, run: Callable[[], list[Record]], keep_ttfts: bool
-) -> tuple[dict[str, Any], list[Record]]:
-    """Run one round; its summary with the server's cache counters over the round."""
-    before = server.metrics()
-    records = run()
-    summary = summarize(records)
-    try:
-        summary |= cache_counters(before, server.metrics())
-    except OSError as exc:  # the server died during the round: the records say how
-        summary["metrics_error"] = str(exc)
-    if keep_ttfts:
-        summary["ttft_per_request_s"] = [r.ttft for r in records]
-    return summary, records
-
-
+# ----------------------------------------------------------------------------- scenarios
 def run_scenario(
     scenario: Scenario, server: VllmServer, presets: Mapping[str, Preset]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -171,93 +118,11 @@ def run_scenario(
                     summary, records = measure(server, run, keep_ttfts=key != "C")
                     result["presets"][key][round_name] = summary
                     rows += csv_rows(records, scenario=scenario.name, preset=key)
-    except _SCENARIO_ERRORS as exc:
+    except SCENARIO_ERRORS as exc:
         result["error"] = str(exc)[-3000:]
     result["time_s"] = time.monotonic() - began
     result["loadavg_after"] = os.getloadavg()
     return result, rows
-
-
-# ------------------------------------------------------------------------- capacity sweep
-def working_set_chunks(prompts: Iterable[Sequence[int]], chunk: int = CHUNK_TOKENS) -> int:
-    """Distinct full chunks in ``prompts``, each identified by its whole prefix (as the
-    connector keys them): what a tier must hold for every repeated prefix to hit."""
-    seen: set[int] = set()
-    for prompt in prompts:
-        key = 0
-        for end in range(chunk, len(prompt) + 1, chunk):
-            key = hash((key, tuple(prompt[end - chunk : end])))
-            seen.add(key)
-    return len(seen)
-
-
-def kv_bytes_per_token(model: str) -> int | None:
-    """KV-cache bytes per token of a local dense-attention model (K and V of every layer), from
-    its config.json; None when that cannot be read."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-        layers = cfg["num_hidden_layers"]
-    except (OSError, ValueError, KeyError):
-        return None
-    dtype_bytes = 4 if cfg.get("torch_dtype") == "float32" else 2
-    return int(2 * layers * kv_heads * head_dim * dtype_bytes)
-
-
-def run_sweep(
-    factory: ServerFactory, sizes: Sizes, seed: int, model: str, run_id: str
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """C's first ``sweep_requests`` requests against kvtier with the CPU tier at each share of
-    their working set, without and with a disk tier of twice the working set."""
-    requests = list(itertools.islice(MixedLoad(sizes, seed).stream("sweep"), sizes.sweep_requests))
-    per_token = kv_bytes_per_token(model)
-    if per_token is None:
-        return {"skipped": f"cannot read the KV size per token from {model}/config.json"}, []
-    chunks = working_set_chunks(r.prompt for r in requests)
-    ws_bytes = chunks * (CHUNK_TOKENS * per_token + HEADER_SIZE)
-    sweep: dict[str, Any] = {
-        "requests": len(requests),
-        "working_set_chunks": chunks,
-        "working_set_mib": ws_bytes / _MIB,
-        "rows": [],
-    }
-    rows: list[dict[str, Any]] = []
-    # Each size without, then with, the disk tier: a pair runs minutes apart at most, so a
-    # change of the machine's load during the sweep does not masquerade as the disk's effect.
-    for share, disk in itertools.product(SWEEP_SHARES, (False, True)):
-        name = f"sweep-cpu{round(share * 100)}{'-disk' if disk else ''}"
-        extra = (
-            {
-                "local_disk": str(factory.work / "sweep" / f"{run_id}-{name}"),
-                "max_local_disk_size": 2 * ws_bytes / _GIB,
-            }
-            if disk
-            else {}
-        )
-        kv = cpu_tier(share * ws_bytes / _GIB, **extra)
-        row: dict[str, Any] = {"cpu_share": share, "cpu_mib": share * ws_bytes / _MIB, "disk": disk}
-        print(f"[bench compare] {name} ...", file=sys.stderr, flush=True)
-        try:
-            with factory(name, kv, "--no-enable-prefix-caching") as server:
-                warm_up(server.complete)
-                run = functools.partial(
-                    run_requests,
-                    server.complete,
-                    requests,
-                    output_len=sizes.c_output,
-                    inflight=sizes.c_inflight,
-                    label=name,
-                    total=len(requests),
-                )
-                summary, records = measure(server, run, keep_ttfts=False)
-                row |= summary
-                rows += csv_rows(records, scenario=name, preset="C-sweep")
-        except _SCENARIO_ERRORS as exc:
-            row["error"] = str(exc)[-3000:]
-        row["loadavg_after"] = os.getloadavg()
-        sweep["rows"].append(row)
-    return sweep, rows
 
 
 # ------------------------------------------------------------------------------- the run
@@ -273,15 +138,7 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str
     budget = batch_budget(sizes.longest_prompt(keys))
     factory = ServerFactory(args.model, args.port, work, args.vllm_python, budget)
     s3 = s3_settings(args.s3_config, f"bench-compare-{run_id}") if args.s3_config else None
-    kv_configs: dict[str, str | None] = {
-        "no-cache": None,
-        "vllm-prefix": None,
-        "example": example_transfer_config(str(work / "example" / run_id)),
-        "kvtier-cpu": cpu_tier(),
-        "kvtier-disk": disk_tier(work / "disk" / run_id),
-    }
-    if s3 is not None:
-        kv_configs["kvtier-s3"] = kvtier_transfer_config(s3)
+    kv_configs = _kv_transfer_configs(work, run_id, s3)
     settings = {k: v for k, v in vars(args).items() if k != "func" and not k.endswith("command")}
     report: dict[str, Any] = {
         "settings": settings,
@@ -330,6 +187,22 @@ def run_compare(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str
     return report, rows
 
 
+def _kv_transfer_configs(
+    work: Path, run_id: str, s3: Mapping[str, Any] | None
+) -> dict[str, str | None]:
+    """``--kv-transfer-config`` per scenario (None: no connector); no S3 scenario without ``s3``."""
+    kv_configs: dict[str, str | None] = {
+        "no-cache": None,
+        "vllm-prefix": None,
+        "example": example_transfer_config(str(work / "example" / run_id)),
+        "kvtier-cpu": cpu_tier(),
+        "kvtier-disk": disk_tier(work / "disk" / run_id),
+    }
+    if s3 is not None:
+        kv_configs["kvtier-s3"] = kvtier_transfer_config(s3)
+    return kv_configs
+
+
 def _remove_tier_data(work: Path) -> None:
     """The connectors' stored chunks (ExampleConnector, disk tiers); the logs stay."""
     for name in ("example", "disk", "sweep"):
@@ -376,12 +249,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `compare` to `kvtier bench`."""
-    p = subparsers.add_parser(
-        "compare",
-        help="experiments A-D side by side: no cache, vLLM prefix cache, ExampleConnector, kvtier",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "experiments A-D side by side: no cache, vLLM prefix cache, ExampleConnector, kvtier"
+    p = add_command(subparsers, "compare", summary, __doc__)
     p.add_argument("--preset", choices=[*PRESETS, "all"], default="all")
     p.add_argument(
         "--smoke", action="store_true", help=f"tiny sizes, scenarios {', '.join(SMOKE_SCENARIOS)}"

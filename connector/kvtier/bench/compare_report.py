@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.plot import pyplot, save
+from kvtier.bench.plot import pyplot, save
 
 TITLES = {
     "A": "A: one long prompt ({a_tokens} tokens), then {a_repeats} repeats; TTFT (s)",
@@ -175,6 +175,24 @@ def _bars(
     ax.legend(fontsize=7)
 
 
+def _plot_sweep(axes: Sequence[Any], sweep: Mapping[str, Any]) -> None:
+    """C's capacity sweep: hit rate and TTFT p50 over the CPU tier's share of the working set."""
+    for disk, style in ((False, "-"), (True, "--")):
+        pts = [r for r in sweep["rows"] if r["disk"] == disk]
+        shares = [100 * r["cpu_share"] for r in pts]
+        label = "CPU tier + disk tier" if disk else "CPU tier only"
+        hit = [r.get("hit_rate", math.nan) for r in pts]
+        axes[0].plot(shares, hit, style, marker="o", label=label)
+        p50 = [r.get("ttft_p50_s", math.nan) for r in pts]
+        axes[1].plot(shares, p50, style, marker="o", label=label)
+    for ax, ylabel in ((axes[0], "hit rate"), (axes[1], "TTFT p50 (s)")):
+        ax.set_xlabel("CPU tier, % of the working set")
+        ax.set_ylabel(ylabel)
+        ax.set_xscale("log")
+        ax.set_xticks([10, 25, 50, 100], ["10", "25", "50", "100"])
+        ax.legend(fontsize=7)
+
+
 def plot_preset(report: Mapping[str, Any], key: str, path: str) -> str | None:
     """The PNG of preset ``key``; None when matplotlib is not installed."""
     plt = pyplot()
@@ -213,20 +231,7 @@ def plot_preset(report: Mapping[str, Any], key: str, path: str) -> str | None:
         hits = [f"hit {_pct(v)}" for v in values("warm", "hit_rate")]
         _bars(axes[0][1], names, {"warm round": values("warm", "tokens_per_s")}, "tokens/s", hits)
         if rows == 2 and sweep is not None:
-            for disk, style in ((False, "-"), (True, "--")):
-                pts = [r for r in sweep["rows"] if r["disk"] == disk]
-                shares = [100 * r["cpu_share"] for r in pts]
-                label = "CPU tier + disk tier" if disk else "CPU tier only"
-                hit = [r.get("hit_rate", math.nan) for r in pts]
-                axes[1][0].plot(shares, hit, style, marker="o", label=label)
-                p50 = [r.get("ttft_p50_s", math.nan) for r in pts]
-                axes[1][1].plot(shares, p50, style, marker="o", label=label)
-            for ax, ylabel in ((axes[1][0], "hit rate"), (axes[1][1], "TTFT p50 (s)")):
-                ax.set_xlabel("CPU tier, % of the working set")
-                ax.set_ylabel(ylabel)
-                ax.set_xscale("log")
-                ax.set_xticks([10, 25, 50, 100], ["10", "25", "50", "100"])
-                ax.legend(fontsize=7)
+            _plot_sweep(axes[1], sweep)
     else:
         ttft = {"cold": values("cold", "ttft_p50_s"), "warm": values("warm", "ttft_p50_s")}
         _bars(axes[0][0], names, ttft, "TTFT (s)")

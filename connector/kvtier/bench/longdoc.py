@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_load import (
+from kvtier.bench.load import (
     REQUEST_ERRORS,
     ROUNDS,
     Endpoint,
@@ -44,8 +44,9 @@ from kvtier.bench_load import (
     write_csv,
     write_json,
 )
-from kvtier.bench_vllm import random_tokens
-from kvtier.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.servers import random_tokens
+from kvtier.cli import add_command
 
 MODES = ("random", "tile", "interleave")
 
@@ -238,12 +239,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `longdoc` to `kvtier bench`."""
-    p = subparsers.add_parser(
-        "longdoc",
-        help="LMCache's long_doc_qa against a running server: cold round, then repeats",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "LMCache's long_doc_qa against a running server: cold round, then repeats"
+    p = add_command(subparsers, "longdoc", summary, __doc__)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--api-key-file", help="file holding the API key (sent as a bearer token)")

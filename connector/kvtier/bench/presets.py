@@ -18,8 +18,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.bench_load import CompleteFn, Record, Request, run_requests
-from kvtier.bench_vllm import random_tokens
+from kvtier.bench.load import CompleteFn, Record, Request, run_requests
+from kvtier.bench.servers import random_tokens
 
 PRESETS = ("A", "B", "C", "D")
 

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_vllm import (
+from kvtier.bench.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.bench.servers import (
     ServerFactory,
     batch_budget,
     cpu_tier,
@@ -36,7 +37,7 @@ from kvtier.bench_vllm import (
     random_prompts,
     s3_settings,
 )
-from kvtier.plot import NO_MATPLOTLIB, pyplot, save
+from kvtier.cli import add_command
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
@@ -60,17 +61,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     warmup = random_prompts(1, 64, args.seed + 1)[0]
     server = ServerFactory(args.model, args.port, work, args.vllm_python, budget)
 
-    def measure(srv: VllmServer) -> list[float]:
-        return [srv.complete(p, max_tokens=args.output_tokens).ttft for p in prompts]
-
     def cold_then_warm(srv: VllmServer, restart: bool) -> tuple[list[float], list[float]]:
-        with srv:
-            srv.complete(warmup, max_tokens=4)
-            cold = measure(srv)
-            if restart:
-                srv.restart()
-                srv.complete(warmup, max_tokens=4)
-            return cold, measure(srv)
+        return _cold_then_warm(srv, restart, warmup, prompts, args.output_tokens)
 
     results: dict[str, dict[str, list[float]]] = {}
     plans: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
@@ -100,13 +92,45 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "kvtier-s3" in results:
         delete_namespace(s3)
     med = {n: {k: _median(v) for k, v in r.items()} for n, r in results.items()}
+    return {
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "output_tokens": args.output_tokens,
+        "max_num_batched_tokens": budget,
+        "model": args.model,
+        "ttft_seconds": results,
+        "median_ttft_seconds": med,
+        "ratios": _ratios(med),
+        "logs": str(work),
+    }
+
+
+def _cold_then_warm(
+    srv: VllmServer, restart: bool, warmup: list[int], prompts: list[list[int]], output_tokens: int
+) -> tuple[list[float], list[float]]:
+    """TTFT of every prompt on a fresh server, then again (after a restart if asked)."""
+
+    def measure() -> list[float]:
+        return [srv.complete(p, max_tokens=output_tokens).ttft for p in prompts]
+
+    with srv:
+        srv.complete(warmup, max_tokens=4)
+        cold = measure()
+        if restart:
+            srv.restart()
+            srv.complete(warmup, max_tokens=4)
+        return cold, measure()
+
+
+def _ratios(med: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """The medians compared with the goals of docs/benchmarks.md (None: a scenario is missing)."""
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
         if a[0] in med and b[0] in med:
             return med[a[0]][a[1]] / med[b[0]][b[1]]
         return None
 
-    ratios = {
+    return {
         "s3_hit_after_restart / cold_no_connector (goal <= 0.08)": ratio(
             ("kvtier-s3", "warm"), ("none", "cold")
         ),
@@ -121,17 +145,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             ("kvtier-s3", "cold") if "kvtier-s3" in med else ("kvtier-disk", "cold"),
             ("none", "cold"),
         ),
-    }
-    return {
-        "prompt_tokens": args.prompt_tokens,
-        "prompts": args.prompts,
-        "output_tokens": args.output_tokens,
-        "max_num_batched_tokens": budget,
-        "model": args.model,
-        "ttft_seconds": results,
-        "median_ttft_seconds": med,
-        "ratios": ratios,
-        "logs": str(work),
     }
 
 
@@ -200,12 +213,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `ttft` to `kvtier bench`."""
-    p = subparsers.add_parser(
-        "ttft",
-        help="TTFT: no connector vs kvtier (S3/disk/CPU) vs vLLM prefix cache vs ExampleConnector",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    summary = "TTFT: no connector vs kvtier (S3/disk/CPU) vs vLLM prefix cache vs ExampleConnector"
+    p = add_command(subparsers, "ttft", summary, __doc__)
     p.add_argument("--model", help="model dir (default: make the tiny model; needs the vLLM venv)")
     p.add_argument("--prompt-tokens", type=int, default=16384)
     p.add_argument("--prompts", type=int, default=3, help="distinct prompts (median reported)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench_vllm import random_tokens
+from kvtier.bench.servers import random_tokens
 from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.vllm.server import ServerError
 
@@ -178,36 +178,9 @@ def run_requests(
             issued += 1
             return issued - 1, request
 
-    def send(index: int, request: Request) -> Record:
-        sent = time.perf_counter()
-
-        def record(**measured: Any) -> Record:
-            return Record(request.round, index, request.doc, request.kind, **measured)
-
-        try:
-            done = complete(request.prompt, output_len)
-        except REQUEST_ERRORS as exc:
-            failed = time.perf_counter()
-            return record(
-                prompt_tokens=len(request.prompt),
-                start=sent - begin,
-                ttft=math.nan,
-                latency=failed - sent,
-                output_tokens=0,
-                error=str(exc)[:500],
-            )
-        return record(
-            prompt_tokens=done.prompt_tokens or len(request.prompt),
-            start=sent - begin,
-            ttft=done.ttft,
-            latency=done.total,
-            output_tokens=len(done.token_ids),
-            output_ids=tuple(done.token_ids),
-        )
-
     def worker() -> None:
         while (item := take()) is not None:
-            record = send(*item)
+            record = _send(complete, *item, output_len, begin)
             with lock:
                 records.append(record)
                 if on_record is not None:
@@ -221,6 +194,37 @@ def run_requests(
         thread.join()
     bar.close()
     return sorted(records, key=lambda r: r.index)
+
+
+def _send(
+    complete: CompleteFn, index: int, request: Request, output_len: int, begin: float
+) -> Record:
+    """Send one request; what it measured, or the error it failed with."""
+    sent = time.perf_counter()
+
+    def record(**measured: Any) -> Record:
+        return Record(request.round, index, request.doc, request.kind, **measured)
+
+    try:
+        done = complete(request.prompt, output_len)
+    except REQUEST_ERRORS as exc:
+        failed = time.perf_counter()
+        return record(
+            prompt_tokens=len(request.prompt),
+            start=sent - begin,
+            ttft=math.nan,
+            latency=failed - sent,
+            output_tokens=0,
+            error=str(exc)[:500],
+        )
+    return record(
+        prompt_tokens=done.prompt_tokens or len(request.prompt),
+        start=sent - begin,
+        ttft=done.ttft,
+        latency=done.total,
+        output_tokens=len(done.token_ids),
+        output_ids=tuple(done.token_ids),
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,0 +1,59 @@
+"""The chunks a config's persistent tiers (disk, S3) hold: listed, counted and deleted per
+namespace. `kvtier ls` and `purge`, `kvtier verify` and the benchmarks' cleanup use these."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvtier.config import KvtierConfig
+from kvtier.tiers.base import Tier
+
+
+def persistent_tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
+    """The persistent tiers of ``cfg`` (the CPU tier lives only inside a running process)."""
+    if cfg.local_disk and only in (None, "disk"):
+        from kvtier.tiers.disk import DiskTier
+
+        yield DiskTier(cfg.local_disk, cfg.disk_bytes)
+    if cfg.remote_url and only in (None, "s3"):
+        from kvtier.tiers.s3_boto3 import Boto3S3Tier
+
+        yield Boto3S3Tier.from_config(cfg)
+
+
+def delete_keys(tier: Tier, keys: list[str]) -> int:
+    delete_many = getattr(tier, "delete_many", None)
+    if delete_many is not None:
+        return int(delete_many(keys))
+    for key in keys:
+        tier.delete(key)
+    return len(keys)
+
+
+def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
+    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``).
+
+    Raises `TierError` when a tier cannot be listed.
+    """
+    counts: dict[str, int] = {}
+    for tier in persistent_tiers(cfg, only):
+        try:
+            counts[tier.name] = sum(1 for _ in tier.list_keys(f"{namespace}/"))
+        finally:
+            tier.close()
+    return counts
+
+
+def purge_namespace(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
+    """Delete every chunk of ``namespace`` from the persistent tiers; chunks deleted per tier.
+
+    Raises `TierError` when a tier cannot be listed or a delete fails.
+    """
+    deleted: dict[str, int] = {}
+    for tier in persistent_tiers(cfg, only):
+        try:
+            keys = [k for k, _ in tier.list_keys(f"{namespace}/")]
+            deleted[tier.name] = delete_keys(tier, keys)
+        finally:
+            tier.close()
+    return deleted
