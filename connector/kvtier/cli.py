@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.gateway.cli",  # gateway add|use|status|test
     "kvtier.model",  # model make-tiny
     "kvtier.verify.cli",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
+    "kvtier.verify.fleet_cli",  # verify-fleet (one host computes, the others load from Ceph)
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
 )
 

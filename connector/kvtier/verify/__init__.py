@@ -37,3 +37,5 @@ clients during a round adds to them, so verify a host while it is drained of use
 #   report.py    the JSON report, its Markdown, the first failure
 #   lock.py      one verification per namespace and host
 #   cli.py       `kvtier verify`: arguments, their checks, the run, the files written
+#   fleet.py     `kvtier verify-fleet`: one host prefills, its peers load from Ceph
+#   fleet_cli.py `kvtier verify-fleet`: arguments, peers and their keys, the run, the files

@@ -145,21 +145,21 @@ def _verify(s: Settings, args: argparse.Namespace) -> int:
     return 1
 
 
-def _ratio(value: str) -> float:
+def ratio(value: str) -> float:
     x = float(value)
     if x <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return x
 
 
-def _share(value: str) -> float:
+def share(value: str) -> float:
     x = float(value)
     if not 0 < x <= 1:
         raise argparse.ArgumentTypeError(f"must be a share in (0, 1], got {value}")
     return x
 
 
-def _at_least_32(value: str) -> int:
+def at_least_32(value: str) -> int:
     n = int(value)
     if n < 32:
         raise argparse.ArgumentTypeError(
@@ -168,7 +168,7 @@ def _at_least_32(value: str) -> int:
     return n
 
 
-def _positive(value: str) -> int:
+def positive(value: str) -> int:
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -208,12 +208,12 @@ def register(subparsers: Any) -> None:
         "--skip-channel-test", action="store_true", help="no gateway here: leave step 1 out"
     )
     p.add_argument("--namespace", default="kvtier-verify")
-    p.add_argument("--documents", type=_positive, default=4)
-    p.add_argument("--document-tokens", type=_positive, default=8192)
-    p.add_argument("--output-tokens", type=_at_least_32, default=32)
+    p.add_argument("--documents", type=positive, default=4)
+    p.add_argument("--document-tokens", type=positive, default=8192)
+    p.add_argument("--output-tokens", type=at_least_32, default=32)
     p.add_argument("--seed", type=int, help="documents' seed (default: a new one per run)")
-    p.add_argument("--max-warm-cold-ratio", type=_ratio, default=0.6)
-    p.add_argument("--min-s3-share", type=_share, default=0.9, help="in (0, 1]")
+    p.add_argument("--max-warm-cold-ratio", type=ratio, default=0.6)
+    p.add_argument("--min-s3-share", type=share, default=0.9, help="in (0, 1]")
     p.add_argument("--host", default="this host", help="name used in the Markdown report")
     p.add_argument(
         "--lock-dir",

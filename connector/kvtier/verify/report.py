@@ -26,8 +26,23 @@ def first_failure(steps: Sequence[Step]) -> str | None:
 def report(
     s: Settings, steps: Sequence[Step], error: str | None, host: str = "", started_at: str = ""
 ) -> dict[str, Any]:
+    thresholds = {"max_warm_cold_ratio": s.max_warm_cold_ratio, "min_s3_share": s.min_s3_share}
+    return document(s, steps, 5, error, host, started_at, thresholds)
+
+
+def document(
+    s: Any,
+    steps: Sequence[Step],
+    expected_steps: int,
+    error: str | None,
+    host: str,
+    started_at: str,
+    thresholds: dict[str, float],
+) -> dict[str, Any]:
+    """The report of a run of ``expected_steps`` steps over settings ``s`` (`Settings` or
+    `fleet.FleetSettings`: server, model, namespace, documents, config)."""
     failure = error or first_failure(steps)
-    if failure is None and len(steps) < 5:
+    if failure is None and len(steps) < expected_steps:
         failure = f"stopped after step {len(steps)}"
     return {
         "ok": failure is None,
@@ -43,10 +58,7 @@ def report(
         "output_tokens": s.output_tokens,
         "chunk_size": s.cfg.chunk_size,
         "seed": s.seed,
-        "thresholds": {
-            "max_warm_cold_ratio": s.max_warm_cold_ratio,
-            "min_s3_share": s.min_s3_share,
-        },
+        "thresholds": thresholds,
         "steps": [
             {**asdict(step), "ok": step.ok, "seconds": round(step.seconds, 2)} for step in steps
         ],

@@ -13,10 +13,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.completions import Completion, stream_completion
-from kvtier.verify.settings import Settings, VerifyError
+from kvtier.verify.settings import VerifyError
 
 #: Ordinary vocabulary range of token ids for the random documents (any model with >= 8000
 #: tokens in its vocabulary; all common ones have far more).
@@ -36,6 +36,25 @@ _COUNTERS = (
 )
 _TIER_COUNTERS = ("kvtier:hit_tokens_by_tier_total", "kvtier:tier_hits_total")
 _TIERS = ("cpu", "disk", "s3")
+
+
+class Target(Protocol):
+    """What a round needs of the server it talks to (Settings, and each host of verify-fleet)."""
+
+    @property
+    def server_url(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def metrics_settle_secs(self) -> float: ...
 
 
 def documents(count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -125,7 +144,14 @@ class Round:
         }
 
 
-def _request(s: Settings, doc: Sequence[int], max_tokens: int) -> Completion:
+def s3_tokens(r: Round, chunk_size: int) -> float:
+    """Prompt tokens of a round that the S3 tier served (its verified chunks, at most what was
+    loaded: a chunk's last block may be one vLLM computes)."""
+    s3_chunks = r.counters["kvtier:tier_hits_total{tier=s3}"]
+    return min(s3_chunks * chunk_size, r.counters["kvtier:loaded_tokens_total"])
+
+
+def _request(s: Target, doc: Sequence[int], max_tokens: int) -> Completion:
     return stream_completion(
         s.server_url,
         s.model,
@@ -136,14 +162,14 @@ def _request(s: Settings, doc: Sequence[int], max_tokens: int) -> Completion:
     )
 
 
-def warm_up(s: Settings) -> None:
+def warm_up(s: Target) -> None:
     """One short request, so that a fresh server's first-request costs do not land in the first
     document's TTFT. Shorter than any KV block (vLLM's smallest is 16 tokens): nothing of it can
     be stored, even with ``save_unfull_chunk``, so the object count stays exact."""
     _request(s, documents(1, 8, s.seed + 1)[0], 4)
 
 
-def max_model_len(s: Settings) -> int | None:
+def max_model_len(s: Target) -> int | None:
     """The served model's context limit from ``/v1/models`` (None if the server omits it)."""
     request = urllib.request.Request(s.server_url.rstrip("/") + "/v1/models")
     if s.api_key:
@@ -163,7 +189,7 @@ def max_model_len(s: Settings) -> int | None:
     )
 
 
-def run_round(s: Settings, docs: Sequence[Sequence[int]]) -> Round:
+def run_round(s: Target, docs: Sequence[Sequence[int]]) -> Round:
     before = scrape(s.server_url)
     start = time.monotonic()
     completions = [_request(s, doc, s.output_tokens) for doc in docs]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvtier.tiers.base import TierError
-from kvtier.verify import checks
+from kvtier.verify import checks, rounds
 from kvtier.verify.checks import Step
 from kvtier.verify.rounds import Round, documents, max_model_len, run_round, warm_up
 from kvtier.verify.settings import Settings, VerifyError
@@ -32,24 +32,24 @@ def run(s: Settings, steps: list[Step]) -> None:
 
 
 def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: list[Step]) -> None:
-    with _step(steps, 1, "channel test through the gateway profile") as step:
+    with timed_step(steps, 1, "channel test through the gateway profile") as step:
         _channel(s, step)
     if not step.ok:
         return
-    with _step(steps, 2, "cold round") as step:
+    with timed_step(steps, 2, "cold round") as step:
         measured = _cold(s, docs, step)
     if not step.ok or measured is None:
         return
     cold, reference = measured
-    with _step(steps, 3, "restart vLLM, clear the host's local tiers") as step:
+    with timed_step(steps, 3, "restart vLLM, clear the host's local tiers") as step:
         _restart(s, chunks_per_doc, step)
     if not step.ok:
         return
-    with _step(steps, 4, "warm round (from Ceph only)") as step:
+    with timed_step(steps, 4, "warm round (from Ceph only)") as step:
         warm = _warm(s, docs, cold, reference, step)
     if not step.ok:
         return
-    with _step(steps, 5, "restart, purge, cold again") as step:
+    with timed_step(steps, 5, "restart, purge, cold again") as step:
         _cold_again(s, docs, cold, warm, step)
 
 
@@ -72,7 +72,7 @@ def _count(s: Settings) -> dict[str, int]:
 
 
 @contextmanager
-def _step(steps: list[Step], number: int, name: str) -> Iterator[Step]:
+def timed_step(steps: list[Step], number: int, name: str) -> Iterator[Step]:
     """A new step appended to ``steps``, timed even when it breaks off with an exception."""
     step = Step(number, name)
     steps.append(step)
@@ -135,9 +135,7 @@ def _restart(s: Settings, chunks_per_doc: int, step: Step) -> None:
 def _warm(s: Settings, docs: list[list[int]], cold: Round, reference: Round, step: Step) -> Round:
     warm = run_round(s, docs)
     step.values.update(warm.summary())
-    s3_chunks = warm.counters["kvtier:tier_hits_total{tier=s3}"]
-    loaded = warm.counters["kvtier:loaded_tokens_total"]
-    s3_tokens = min(s3_chunks * s.cfg.chunk_size, loaded)
+    s3_tokens = rounds.s3_tokens(warm, s.cfg.chunk_size)
     share = s3_tokens / max(1, warm.prompt_tokens)
     step.values.update(s3_served_tokens=int(s3_tokens), s3_share=round(share, 4))
     step.values["warm_cold_ttft_ratio"] = round(warm.median_ttft / cold.median_ttft, 4)
