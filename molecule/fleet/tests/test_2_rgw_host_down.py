@@ -1,0 +1,69 @@
+"""An RGW host goes down in the middle of request streams against both serving hosts, requests
+that only Ceph can answer (each document is prefilled on one host, then asked of the other):
+no request fails, and the hits keep coming, now all through storage1."""
+
+from __future__ import annotations
+
+import time
+
+from _fleet import (
+    SERVING,
+    Server,
+    Stream,
+    chunks_in_bucket,
+    prompt,
+    server,
+    supervisorctl,
+)
+
+from kvtier.completions import Completion
+from kvtier.keys import chunk_hashes
+
+NAMESPACE = "kvtier-verify-fleet"
+DOC_TOKENS = 4096
+CHUNK = 256
+
+
+def _cross(a: Server, b: Server, seed: int) -> Completion:
+    """A prefills a fresh document; once its chunks are in the bucket, B (which never saw it)
+    asks for it and must load it from S3."""
+    doc = prompt(DOC_TOKENS, seed)
+    a.complete(doc, namespace=NAMESPACE)
+    wanted = set(chunk_hashes(doc, CHUNK))
+    deadline = time.monotonic() + 30
+    while not wanted <= chunks_in_bucket(NAMESPACE) and time.monotonic() < deadline:
+        time.sleep(0.3)  # A's background writes: nothing to wait on but the bucket listing
+    return b.complete(doc, namespace=NAMESPACE)
+
+
+def _s3_hits(servers: list[Server]) -> float:
+    return sum(s.metric("kvtier:hit_tokens_by_tier_total", tier="s3") for s in servers)
+
+
+def test_stopping_every_radosgw_of_storage2_fails_no_request() -> None:
+    s1, s2 = servers = [server(n) for n in SERVING]
+    one = Stream(lambda i: _cross(s1, s2, seed=7000 + 2 * i), limit=12)
+    two = Stream(lambda i: _cross(s2, s1, seed=7001 + 2 * i), limit=12)
+    try:
+        with one, two:
+            time.sleep(8)  # both streams are under way
+            supervisorctl("storage2", "stop", "rgw-kvtier-storage2-1")
+            stopped_at = time.monotonic()
+            hits_at_stop = _s3_hits(servers)
+            one.join()
+            two.join()
+        time.sleep(1.5)  # vLLM publishes counters with its stats interval
+        hits_after = _s3_hits(servers) - hits_at_stop
+    finally:
+        supervisorctl("storage2", "start", "rgw-kvtier-storage2-1")
+    done = len(one.completions) + len(two.completions)
+    print(
+        f"storage2 down {time.monotonic() - stopped_at:.0f} s into the streams' end: "
+        f"{done} requests, {len(one.failures) + len(two.failures)} failed, "
+        f"{hits_after:.0f} prompt tokens loaded from S3 after the stop"
+    )
+    assert one.failures == [] and two.failures == []
+    assert done == 24
+    # At least a few documents were asked for after the stop, each loaded from S3 (through
+    # storage1, the only RGW host left).
+    assert hits_after >= 2 * (DOC_TOKENS - CHUNK), hits_after
