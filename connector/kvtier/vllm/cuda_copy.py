@@ -25,7 +25,8 @@ import logging
 import mmap
 import threading
 import warnings
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -75,15 +76,21 @@ class PinnedPool:
         self.slots = slots
         self.host, self.pinned_via, self._mem = _pinned_host_memory(slot_bytes * slots)
         self.base = int(self.host.data_ptr())
+        self._tensors = [self.host[k * slot_bytes : (k + 1) * slot_bytes] for k in range(slots)]
+        self._views = [memoryview(t.numpy()).cast("B") for t in self._tensors]
         self._free = list(range(slots))
-        #: Last device operation that used each slot (all on the copier's one stream).
-        self._last_use: list[Any] = [None] * slots
+        #: One event per slot, recorded after each device operation on the slot (in stream
+        #: order, so the last record covers the earlier ones); `_used`: recorded at least once.
+        self._events = [torch.cuda.Event() for _ in range(slots)]
+        self._used = [False] * slots
         self._cond = threading.Condition()
         self._closed = False
 
     def tensor(self, slot: int, nbytes: int, offset: int = 0) -> Any:
-        start = slot * self.slot_bytes + offset
-        return self.host[start : start + nbytes]
+        return self._tensors[slot][offset : offset + nbytes]
+
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        return self._views[slot][:nbytes]
 
     def acquire(self, timeout: float | None = None) -> int:
         timeout = POOL_WAIT_SECS if timeout is None else timeout
@@ -98,12 +105,13 @@ class PinnedPool:
         return slot
 
     def wait(self, slot: int) -> None:
-        event = self._last_use[slot]
-        if event is not None:
-            event.synchronize()
+        if self._used[slot]:
+            self._events[slot].synchronize()
 
-    def mark(self, slot: int, event: Any) -> None:
-        self._last_use[slot] = event
+    def record(self, slot: int, stream: Any) -> None:
+        """The device operation just queued on `stream` uses `slot`."""
+        self._events[slot].record(stream)
+        self._used[slot] = True
 
     def release(self, slot: int) -> None:
         with self._cond:
@@ -124,9 +132,8 @@ class PinnedPool:
         if self._closed:
             return
         self._closed = True
-        for event in self._last_use:
-            if event is not None:
-                event.synchronize()
+        for slot in range(self.slots):
+            self.wait(slot)
         if self.pinned_via == "cudaHostRegister":
             torch.cuda.cudart().cudaHostUnregister(self.base)
 
@@ -142,7 +149,7 @@ class PinnedHostBuffer(HostBuffer):
         self.pool = pool
         self.slot = slot
         self.tensor = pool.tensor(slot, nbytes)
-        super().__init__(memoryview(self.tensor.numpy()).cast("B"), on_release=self._give_back)
+        super().__init__(pool.view(slot, nbytes), on_release=self._give_back)
 
     def wait(self) -> None:
         self.pool.wait(self.slot)
@@ -158,23 +165,24 @@ class _IdsRing:
     def __init__(self, capacity: int, device: Any, entries: int = 8) -> None:
         self.capacity = capacity
         self.host = torch.empty((entries, capacity), dtype=torch.int64, pin_memory=True)
+        self._host_np = self.host.numpy()
         self.dev = torch.empty((entries, capacity), dtype=torch.int64, device=device)
-        self.events: list[Any] = [None] * entries
+        self.events = [torch.cuda.Event() for _ in range(entries)]
+        self.used = [False] * entries
         self.next = 0
 
     def put(self, ids: Sequence[int], stream: Any) -> Any:
         """The ids on the device (copy queued on `stream`, the current stream)."""
         k = self.next
         self.next = (k + 1) % len(self.events)
-        if self.events[k] is not None:
+        if self.used[k]:
             self.events[k].synchronize()
         n = len(ids)
-        self.host[k, :n] = torch.as_tensor(list(ids), dtype=torch.int64)
+        self._host_np[k, :n] = ids
         dev = self.dev[k, :n]
         dev.copy_(self.host[k, :n], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        self.events[k] = event
+        self.events[k].record(stream)
+        self.used[k] = True
         return dev
 
 
@@ -222,6 +230,10 @@ class CudaBlockCopier:
             raise LayoutError(f"unknown CUDA copy mode {mode!r} (triton, torch)")
         self.mode = mode
         self.stream = torch.cuda.Stream(device=self.device)
+        # Reused events (recording one again is fine once its waits are queued).
+        self._ev_cur = torch.cuda.Event()  # the current stream's work so far
+        self._ev_read = torch.cuda.Event()  # a gather's kernel has read the blocks
+        self._ev_written = torch.cuda.Event()  # a scatter's kernel has written them
         self._lock = threading.RLock()
         self._slots = max(2, pinned_buffers)
         self._pool: PinnedPool | None = None
@@ -271,22 +283,36 @@ class CudaBlockCopier:
             with self._lock:
                 cur = torch.cuda.current_stream(self.device)
                 s = self.stream
-                s.wait_stream(cur)
+                self._ev_cur.record(cur)
+                s.wait_event(self._ev_cur)
                 with torch.cuda.stream(s):
                     assert self._ids is not None
                     ids = self._ids.put(block_ids, s)
                     self._copy_pages(ids, n, n, 0, to_payload=True)
-                    read = torch.cuda.Event()
-                    read.record(s)
+                    self._ev_read.record(s)
                     buf.tensor.copy_(self._staging[:nbytes], non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(s)
-                cur.wait_event(read)
-                buf.pool.mark(buf.slot, done)
+                    buf.pool.record(buf.slot, s)
+                cur.wait_event(self._ev_read)
         except BaseException:
             buf.release()
             raise
         return buf
+
+    def gather_iter(
+        self, block_id_lists: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[int, PinnedHostBuffer]]:
+        ahead = max(1, self._slots - 1)
+        queued: deque[tuple[int, PinnedHostBuffer]] = deque()
+        try:
+            for i, ids in enumerate(block_id_lists):
+                queued.append((i, self.gather_to_host(ids)))
+                if len(queued) >= ahead:
+                    yield queued.popleft()
+            while queued:
+                yield queued.popleft()
+        finally:  # the caller stopped early: give the queued slots back
+            for _, buf in queued:
+                buf.release()
 
     def gather_bytes(self, block_ids: Sequence[int]) -> bytes:
         with self.gather_to_host(block_ids) as buf:
@@ -307,8 +333,8 @@ class CudaBlockCopier:
         with self._lock:
             cur = torch.cuda.current_stream(self.device)
             s = self.stream
-            s.wait_stream(cur)
-            last = None
+            self._ev_cur.record(cur)
+            s.wait_event(self._ev_cur)
             for payload, stored, first, block_ids in items:
                 nbytes = self.layout.payload_nbytes(stored)
                 src, pool, slot, bounce = self._pinned_source(payload, nbytes)
@@ -317,17 +343,13 @@ class CudaBlockCopier:
                         assert self._ids is not None
                         ids = self._ids.put(block_ids, s)
                         self._staging[:nbytes].copy_(src, non_blocking=True)
-                        h2d = torch.cuda.Event()
-                        h2d.record(s)
+                        pool.record(slot, s)
                         self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
-                        last = torch.cuda.Event()
-                        last.record(s)
-                    pool.mark(slot, h2d)
                 finally:
                     if bounce:
                         pool.release(slot)
-            if last is not None:
-                cur.wait_event(last)
+            self._ev_written.record(s)
+            cur.wait_event(self._ev_written)
 
     def _pinned_source(self, payload: Payload, nbytes: int) -> tuple[Any, PinnedPool, int, bool]:
         """(pinned uint8 tensor of the payload, its pool, slot, whether the slot is ours)."""

@@ -35,7 +35,7 @@ whole model by the engine core from every backend's ``supported_kv_cache_layouts
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -480,6 +480,18 @@ class BlockCopier:
         for i, t in enumerate(self.tensors):
             torch.index_select(t, 0, idx, out=out[i])
         return HostBuffer(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+
+    def gather_iter(
+        self, block_id_lists: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[int, HostBuffer]]:
+        """(index, HostBuffer) for each chunk's block ids, in order, with the next chunks'
+        copies already queued (on CUDA up to the pool's slots - 1 ahead: double buffering). The
+        caller must release each buffer before asking for the next one."""
+        if self._cuda is not None:
+            yield from self._cuda.gather_iter(block_id_lists)
+            return
+        for i, ids in enumerate(block_id_lists):
+            yield i, self.gather_to_host(ids)
 
     def host_buffer(self, nbytes: int) -> HostBuffer:
         """An empty HostBuffer of `nbytes` for a fetched payload (read into `view()`, then pass

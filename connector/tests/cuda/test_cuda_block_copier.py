@@ -228,3 +228,23 @@ def test_an_exhausted_pool_fails_the_copy_instead_of_allocating(
     with copier.gather_to_host([5, 6]) as buf:
         assert bytes(buf.view()) == _reference(src, [5, 6], layout.variant)
     held[1].release()
+
+
+def test_gather_iter_streams_chunks_in_order() -> None:
+    layout, src = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=16, pinned_buffers=3)
+    rng = random.Random(11)
+    chunks = [rng.sample(range(NUM_BLOCKS), rng.randint(1, 16)) for _ in range(9)]
+    seen = []
+    for i, buf in copier.gather_iter(chunks):
+        assert bytes(buf.view()) == _reference(src, chunks[i], layout.variant)
+        buf.release()
+        seen.append(i)
+    assert seen == list(range(9))
+    it = copier.gather_iter(chunks)
+    _, first = next(it)
+    first.release()
+    it.close()  # stopped early: the queued slots come back
+    held = [copier.host_buffer(16) for _ in range(3)]
+    for buf in held:
+        buf.release()

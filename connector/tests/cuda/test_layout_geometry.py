@@ -175,6 +175,9 @@ def test_cpu_host_buffer_api_matches_gather() -> None:
     with copier.gather_to_host(ids) as buf:
         assert bytes(buf.view()) == copier.gather(ids)
         held = bytes(buf.view())
+    for i, buf in copier.gather_iter([[1], ids]):
+        assert bytes(buf.view()) == copier.gather([[1], ids][i])
+        buf.release()
     dst = [torch.zeros_like(t) for t in tensors]
     back = kvl.BlockCopier(layout, dst)
     target = back.host_buffer(len(held))
