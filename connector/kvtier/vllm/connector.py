@@ -172,7 +172,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return  # no tier left to use (logged): served without kvtier
         self._worker = WorkerSide(
             store,
-            BlockCopier(self.layout, tensors),
+            # CUDA: the pinned pool holds whole chunks, sized once (CPU: unused).
+            BlockCopier(
+                self.layout, tensors, max_blocks=self.cfg.chunk_size // self.layout.block_size
+            ),
             self.cfg.blocking_timeout_secs,
             parallel_fetch=any(t.name not in ("cpu", "disk") for t in store.tiers),
         )
