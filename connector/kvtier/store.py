@@ -285,7 +285,7 @@ class TieredStore:
                 self._write_async(tier, key, item)
 
     # ------------------------------------------------------------------ write
-    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None:
+    def put(self, chunk_hash: str, payload: bytes | memoryview, num_tokens: int) -> None:
         """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
         key = self.key(chunk_hash)
         if not isinstance(payload, bytes):  # a view of a buffer the caller will reuse

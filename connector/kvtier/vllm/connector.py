@@ -33,7 +33,8 @@ from kvtier.format import HEADER_SIZE
 from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
-from kvtier.vllm.layout import BlockCopier, KVLayout, check_tensors, expected_layout
+from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.layout import KVLayout, check_tensors, expected_layout
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide, StepPlan
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.vllm.stores import RemoteLookups, open_store

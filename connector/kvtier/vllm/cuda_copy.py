@@ -31,14 +31,8 @@ from typing import Any
 
 import torch
 
-from kvtier.vllm.layout import (
-    HostBuffer,
-    KVLayout,
-    LayoutError,
-    PageGeometry,
-    Payload,
-    page_geometry,
-)
+from kvtier.vllm.copier import HostBuffer, Payload
+from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
 
 log = logging.getLogger(__name__)
 

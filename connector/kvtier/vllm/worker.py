@@ -20,7 +20,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from kvtier.stats import SAMPLES, StoreStats, store_deltas
-from kvtier.vllm.layout import BlockCopier, LayoutError
+from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.scheduler import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class ChunkStore(Protocol):
 
     def get(self, chunk_hash: str) -> bytes | None: ...
     def get_many(self, hashes: Sequence[str]) -> list[bytes | None]: ...
-    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None: ...
+    def put(self, chunk_hash: str, payload: bytes | memoryview, num_tokens: int) -> None: ...
     def stats(self) -> StoreStats: ...
     def close(self, timeout: float | None = ...) -> None: ...
 
@@ -151,19 +152,34 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
     def save(self, specs: Sequence[SaveSpec]) -> None:
+        """Copy each chunk's blocks out and hand them to the store, which copies what it keeps
+        (the buffer goes back to the copier at once). On CUDA the next chunks' copies are
+        already queued while one is handed over (BlockCopier.gather_iter)."""
         if not specs:
             return
         start = time.perf_counter()
-        for spec in specs:
-            try:
-                payload = self.copier.gather(spec.block_ids)
-            except Exception as exc:  # never fail the step over a cache write
-                log.warning("kvtier: cannot copy chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
-                self._count("save_failed_chunks")
-                continue
-            self.store.put(spec.chunk_hash, payload, spec.num_tokens)
-            self._count("saved_chunks")
-            self._count("saved_bytes", len(payload))
+        done = 0
+        try:
+            for i, buf in self.copier.gather_iter([s.block_ids for s in specs]):
+                spec = specs[i]
+                try:
+                    payload = buf.view()
+                    self.store.put(spec.chunk_hash, payload, spec.num_tokens)
+                    self._count("saved_chunks")
+                    self._count("saved_bytes", len(payload))
+                finally:
+                    buf.release()
+                done = i + 1
+        except Exception as exc:  # never fail the step over a cache write
+            failed = specs[done:]
+            log.warning(
+                "kvtier: cannot copy %d chunks out (from %s on): %s",
+                len(failed),
+                failed[0].chunk_hash if failed else "-",
+                exc,
+                exc_info=True,
+            )
+            self._count("save_failed_chunks", len(failed))
         self._sample("save_copy_seconds", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ stats / shutdown

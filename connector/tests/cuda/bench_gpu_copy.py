@@ -128,7 +128,8 @@ def bench_copies(
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.layout import BlockCopier, check_tensors
+    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.layout import check_tensors
 
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)
@@ -308,7 +309,7 @@ def bench_overlap(
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.layout import BlockCopier
+    from kvtier.vllm.copier import BlockCopier
 
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)
@@ -411,7 +412,7 @@ def bench_profile(shape: str, chunk: int, cache_layout: str, reps: int) -> dict[
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.layout import BlockCopier
+    from kvtier.vllm.copier import BlockCopier
 
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 import vllm032_kv as vk  # noqa: E402
 
 from kvtier.vllm import cuda_copy  # noqa: E402
+from kvtier.vllm.copier import BlockCopier  # noqa: E402
 from kvtier.vllm.layout import (  # noqa: E402
-    BlockCopier,
     KVLayout,
     LayoutError,
     check_tensors,
