@@ -35,7 +35,8 @@ from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.layout import KVLayout, check_tensors, expected_layout
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide, StepPlan
+from kvtier.vllm.plan import StepPlan
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.vllm.stores import RemoteLookups, open_store
 from kvtier.vllm.version import check_vllm_version

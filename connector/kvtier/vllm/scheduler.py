@@ -35,6 +35,7 @@ from typing import Any
 from kvtier.keys import chunk_hashes
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import SAMPLES
+from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
 
 log = logging.getLogger(__name__)
 _warnings = RateLimitedLog(log)
@@ -42,36 +43,6 @@ _warnings = RateLimitedLog(log)
 #: Seconds one call may wait for a pending remote lookup before answering "not yet" (short: the
 #: scheduler calls again at its next step, and other requests are scheduled meanwhile).
 _LOOKUP_POLL_SECS = 0.001
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`."""
-
-    req_id: str
-    chunk_hash: str
-    stored_blocks: int
-    first: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """Copy `block_ids` (all layers) and store them under `chunk_hash`."""
-
-    req_id: str
-    chunk_hash: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass
-class StepPlan:
-    """What the workers do in one step (sent inside the connector metadata)."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kvtier.stats import SAMPLES, StoreStats, store_deltas
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.layout import LayoutError
-from kvtier.vllm.scheduler import LoadSpec, SaveSpec
+from kvtier.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
