@@ -173,6 +173,22 @@ class KvtierConfig(BaseModel):
     stats_dir: str | None = None
     #: Seconds between stats snapshots written to ``stats_dir`` (also written at close).
     stats_interval_secs: float = Field(default=10.0, gt=0)
+    # ---- the remote tier failing: never worse than no cache ----
+    #: Seconds a new request waits for the remote tier's lookup before it is scheduled without
+    #: the remote tier's chunks (the lookup runs beside the scheduler, never in its loop).
+    lookup_timeout_secs: float = Field(default=0.1, gt=0)
+    #: Consecutive failed calls (timeouts, refused connections, 5xx, refused credentials) after
+    #: which the remote tier is not asked again until a background probe sees it answer.
+    remote_failure_threshold: int = Field(default=3, ge=1)
+    #: Seconds before the first probe of a remote tier that stopped answering; doubled after each
+    #: failed probe, up to 60.
+    remote_retry_secs: float = Field(default=2.0, gt=0)
+    #: ``true``: refuse to start when the remote tier cannot be used at start (wrong endpoint,
+    #: credentials or bucket). ``false``: log the cause once, serve without it, probe it again.
+    remote_required: bool = False
+    #: Payload bytes (GiB) of background writes (disk, S3) allowed to wait in memory; a write
+    #: beyond it is skipped and counted (``dropped_writes``), never waited for.
+    max_write_backlog_size: float = Field(default=1.0, gt=0)
     #: TEST-ONLY switch: ``false`` skips payload checksum verification on read, so a negative
     #: control can show that corrupted data would otherwise reach the model. Never turn off
     #: in production.
@@ -192,6 +208,10 @@ class KvtierConfig(BaseModel):
     @property
     def disk_bytes(self) -> int:
         return int(self.max_local_disk_size * _GIB) if self.local_disk else 0
+
+    @property
+    def write_backlog_bytes(self) -> int:
+        return int(self.max_write_backlog_size * _GIB)
 
     @property
     def s3_bucket(self) -> str | None:

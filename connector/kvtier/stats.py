@@ -49,6 +49,11 @@ class TierStats:
     get_seconds: float = 0.0
     get_max_seconds: float = 0.0
     put_seconds: float = 0.0
+    #: Times the tier's circuit breaker opened, and whether it is open now (summed over
+    #: processes: how many of them do not ask the tier at the moment).
+    circuit_opened: int = 0
+    circuit_closed: int = 0
+    circuit_open: int = 0
     #: Failures by cause (e.g. ``checksum``, ``timeout``, ``no_space``, ``ConnectionError``).
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -69,6 +74,10 @@ class StoreStats:
     lookups: int = 0
     lookup_chunks: int = 0
     lookup_hit_chunks: int = 0
+    #: Searches of the remote tier, the requests they made, and their time.
+    remote_lookups: int = 0
+    remote_lookup_requests: int = 0
+    remote_lookup_seconds: float = 0.0
     #: ``get`` calls, and those answered with verified data by some tier.
     gets: int = 0
     get_hits: int = 0
@@ -100,6 +109,39 @@ class StoreStats:
         tiers = {k: TierStats(**v) for k, v in data.get("tiers", {}).items()}
         top = {k: v for k, v in data.items() if k != "tiers"}
         return cls(**top, tiers=tiers)
+
+
+#: Suffix of a stats key holding a list of durations (seconds) for a histogram.
+SAMPLES = "@samples"
+
+
+def store_deltas(prev: StoreStats, now: StoreStats) -> dict[str, Any]:
+    """What a store did between two snapshots, as stats keys (see the module docstring)."""
+    out: dict[str, Any] = {}
+    for name, tier in now.tiers.items():
+        before = prev.tiers.get(name)
+        for field_name in (
+            "hits",
+            "misses",
+            "bytes_read",
+            "puts",
+            "bytes_written",
+            "circuit_opened",
+            "circuit_closed",
+        ):
+            delta = getattr(tier, field_name) - (getattr(before, field_name) if before else 0)
+            if delta:
+                out[f"tier.{name}.{field_name}"] = delta
+        for cause, count in tier.errors.items():
+            delta = count - (before.errors.get(cause, 0) if before else 0)
+            if delta:
+                out[f"tier.{name}.errors.{cause}"] = delta
+                out[f"tier.{name}.errors"] = out.get(f"tier.{name}.errors", 0) + delta
+    for field_name in ("dropped_writes", "remote_lookup_requests"):
+        delta = getattr(now, field_name) - getattr(prev, field_name)
+        if delta:
+            out[field_name] = delta
+    return out
 
 
 _instances = itertools.count()

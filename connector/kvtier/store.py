@@ -1,13 +1,16 @@
 """TieredStore: longest-prefix lookup across tiers, verified reads with promotion, write-through.
 
 Tiers are ordered fastest first (CPU, disk, S3). ``put`` stores into the CPU tier at once and
-writes the slower tiers in the background (bounded: beyond ``s3_max_inflight_reqs`` writes in
-flight, new ones are dropped and counted rather than queued without limit). ``get`` reads the
+writes the slower tiers in the background (bounded: beyond ``s3_max_inflight_reqs`` writes or
+``max_write_backlog_size`` bytes in flight, new ones are dropped and counted rather than queued
+without limit). A remote tier sits behind a circuit breaker (kvtier.tiers.guard), and its
+lookup is a search of a few requests (kvtier.prefix), not one per chunk. ``get`` reads the
 fastest tier holding the chunk, verifies the header and checksum, and copies the chunk into the
 faster tiers. Payloads are passed by reference between tiers (bytes are immutable): the CPU tier
 holds the caller's object, and a read returns the payload object the tier produced. Every
 failure in the data path (I/O error, timeout, corrupt blob, full disk) is a miss: counted per
-tier by cause and logged, never raised into the caller.
+tier by cause and logged (at most once per cause and tier every few seconds: a dead endpoint
+must not write a warning per chunk), never raised into the caller.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ from typing import TypeVar
 
 from kvtier.config import KvtierConfig
 from kvtier.format import FormatError, pack_header, verify
+from kvtier.prefix import leading_present
+from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import StoreStats, TierStats, stats_file_name, write_stats_file
 from kvtier.tiers.base import Stored, Tier, TierError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Chunks asked of the remote tier per parallel round in ``lookup_prefix``: large enough to hide
-#: latency, small enough not to HEAD hundreds of objects past the first miss.
+#: Chunks asked of a local tier per round in ``lookup_local``.
 _LOOKUP_WINDOW = 32
 
 
@@ -57,6 +61,7 @@ class TieredStore:
         verify_checksums: bool = True,
         io_threads: int = 16,
         max_inflight_writes: int = 256,
+        max_backlog_bytes: int = 1 << 30,
         stats_dir: str | None = None,
         stats_interval: float = 10.0,
     ) -> None:
@@ -73,7 +78,10 @@ class TieredStore:
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._writer = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-write")
         self._max_inflight = max_inflight_writes
+        self._max_backlog = max_backlog_bytes
         self._inflight = 0
+        self._backlog = 0
+        self._warnings = RateLimitedLog(log)
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._stats_path = os.path.join(stats_dir, stats_file_name()) if stats_dir else None
@@ -99,9 +107,17 @@ class TieredStore:
 
             tiers.append(DiskTier(cfg.local_disk, cfg.disk_bytes))
         if cfg.remote_url:
+            from kvtier.tiers.guard import CircuitBreaker, GuardedTier
             from kvtier.tiers.s3 import make_s3_tier
 
-            tiers.append(make_s3_tier(cfg))
+            s3 = make_s3_tier(cfg)
+            breaker = CircuitBreaker(
+                s3.name,
+                s3.probe,
+                threshold=cfg.remote_failure_threshold,
+                retry_secs=cfg.remote_retry_secs,
+            )
+            tiers.append(GuardedTier(s3, breaker))
         if not tiers:
             raise ValueError(f"no tier enabled in {cfg.source}")
         return cls(
@@ -111,6 +127,7 @@ class TieredStore:
             verify_checksums=cfg.verify_checksums,
             io_threads=min(cfg.extra_config.s3_max_io_concurrency, 64),
             max_inflight_writes=cfg.extra_config.s3_max_inflight_reqs,
+            max_backlog_bytes=cfg.write_backlog_bytes,
             stats_dir=cfg.stats_path,
             stats_interval=cfg.stats_interval_secs,
         )
@@ -138,10 +155,14 @@ class TieredStore:
             return fn()
         except TierError as exc:
             self._count_error(tier, exc.cause)
-            log.warning("kvtier: %s %s on %s failed (%s): %s", what, key, tier.name, exc.cause, exc)
+            if exc.cause != "circuit_open":  # the breaker logs its own changes, once
+                message = f"{what} {key} on {tier.name} failed ({exc.cause}): {exc}"
+                self._warnings.warning((tier.name, exc.cause), message)
         except Exception as exc:  # a data-path failure must become a miss, never a crash
-            self._count_error(tier, type(exc).__name__)
-            log.warning("kvtier: %s %s on %s failed: %s", what, key, tier.name, exc, exc_info=True)
+            cause = type(exc).__name__
+            self._count_error(tier, cause)
+            message = f"{what} {key} on {tier.name} failed: {exc}"
+            self._warnings.warning((tier.name, cause), message, exc_info=True)
         return default
 
     # ------------------------------------------------------------------ lookup
@@ -152,37 +173,64 @@ class TieredStore:
             tier, "lookup", keys[0], partial(tier.contains_many, keys), [False] * len(keys)
         )
 
-    def lookup_prefix(self, hashes: Sequence[str]) -> int:
-        """Number of leading chunks of ``hashes`` present in some tier (asked now, not cached).
+    @property
+    def local_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers if not t.remote]
 
-        Local tiers are asked first; the remote (last) tier only for chunks from the first one
-        missing locally, in parallel windows, stopping at the first window with a miss.
-        """
+    @property
+    def remote_tier(self) -> Tier | None:
+        return next((t for t in self.tiers if t.remote), None)
+
+    def lookup_local(self, hashes: Sequence[str]) -> int:
+        """Leading chunks of ``hashes`` that some local tier (CPU, disk) holds, asked now."""
         keys = [self.key(h) for h in hashes]
         found = 0
-        local: list[Tier] = self.tiers[:-1] if len(self.tiers) > 1 else self.tiers
-        remote: Tier | None = self.tiers[-1] if len(self.tiers) > 1 else None
         while found < len(keys):
             window = keys[found : found + _LOOKUP_WINDOW]
             present = [False] * len(window)
-            for tier in local:
+            for tier in self.local_tiers:
                 todo = [i for i, p in enumerate(present) if not p]
                 for i, ok in zip(todo, self._present(tier, [window[i] for i in todo]), strict=True):
                     present[i] = ok
-            first_missing = next((i for i, p in enumerate(present) if not p), len(window))
-            if remote is not None and first_missing < len(window):
-                todo = list(range(first_missing, len(window)))
-                for i, ok in zip(todo, self._present(remote, window[first_missing:]), strict=True):
-                    present[i] = present[i] or ok
             lead = next((i for i, p in enumerate(present) if not p), len(window))
             found += lead
             if lead < len(window):
                 break
+        return found
+
+    def lookup_remote(self, hashes: Sequence[str]) -> int:
+        """Leading chunks of ``hashes`` the remote tier holds: a search of a few requests
+        (kvtier.prefix). 0 without a remote tier, or when it fails (counted, logged)."""
+        remote = self.remote_tier
+        if remote is None or not hashes:
+            return 0
+        keys = [self.key(h) for h in hashes]
+        start = time.perf_counter()
+
+        def search() -> tuple[int, int]:
+            return leading_present(remote.contains_many, keys)
+
+        found, asked = self._guard(remote, "lookup", keys[0], search, (0, 0))
+        with self._lock:
+            self._stats.remote_lookups += 1
+            self._stats.remote_lookup_requests += asked
+            self._stats.remote_lookup_seconds += time.perf_counter() - start
+        return found
+
+    def lookup_prefix(self, hashes: Sequence[str]) -> int:
+        """Leading chunks of ``hashes`` present in some tier (asked now, not cached): the local
+        tiers first, the remote tier for what follows."""
+        found = self.lookup_local(hashes)
+        if found < len(hashes):
+            found += self.lookup_remote(hashes[found:])
+        self.count_lookup(len(hashes), found)
+        return found
+
+    def count_lookup(self, chunks: int, found: int) -> None:
         with self._lock:
             self._stats.lookups += 1
-            self._stats.lookup_chunks += len(keys)
+            self._stats.lookup_chunks += chunks
             self._stats.lookup_hit_chunks += found
-        return found
 
     # ------------------------------------------------------------------ read
     def get(self, chunk_hash: str) -> bytes | None:
@@ -237,7 +285,7 @@ class TieredStore:
                 self._write_async(tier, key, item)
 
     # ------------------------------------------------------------------ write
-    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None:
+    def put(self, chunk_hash: str, payload: bytes | memoryview, num_tokens: int) -> None:
         """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
         key = self.key(chunk_hash)
         if not isinstance(payload, bytes):  # a view of a buffer the caller will reuse
@@ -264,23 +312,27 @@ class TieredStore:
                 ts.bytes_written += len(item[0]) + len(item[1])
 
     def _write_async(self, tier: Tier, key: str, item: Stored) -> None:
+        size = len(item[0]) + len(item[1])
         with self._lock:
-            if self._closed or self._inflight >= self._max_inflight:
+            full = self._inflight >= self._max_inflight or self._backlog + size > self._max_backlog
+            if self._closed or full:
                 self._stats.dropped_writes += 1
                 errs = self._stats.tiers[tier.name].errors
                 errs["backpressure"] = errs.get("backpressure", 0) + 1
                 return
             self._inflight += 1
+            self._backlog += size
         try:
             fut: Future[None] = self._writer.submit(self._write, tier, key, item)
         except RuntimeError:  # executor shut down between the check and the submit
-            self._write_done(None)
+            self._write_done(size, None)
             return
-        fut.add_done_callback(self._write_done)
+        fut.add_done_callback(partial(self._write_done, size))
 
-    def _write_done(self, _fut: Future[None] | None) -> None:
+    def _write_done(self, size: int, _fut: Future[None] | None) -> None:
         with self._lock:
             self._inflight -= 1
+            self._backlog -= size
             if self._inflight == 0:
                 self._idle.notify_all()
 
@@ -301,6 +353,11 @@ class TieredStore:
             snap = copy.deepcopy(self._stats)
         for tier in self.tiers:
             snap.tiers[tier.name].evictions = tier.evictions()
+            breaker = getattr(tier, "breaker", None)
+            if breaker is not None:
+                snap.tiers[tier.name].circuit_opened = breaker.opened
+                snap.tiers[tier.name].circuit_closed = breaker.closed
+                snap.tiers[tier.name].circuit_open = int(not breaker.allows())
         return snap
 
     def _stats_loop(self, interval: float) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import pytest
 
@@ -28,7 +30,7 @@ def make(found: Sequence[str] = (), save_unfull: bool = False) -> SchedulerSide:
         block_size=BLOCK,
         save_unfull_chunk=save_unfull,
         cpu_index=CpuTierIndex(0),
-        store_lookup=lookup,
+        local_lookup=lookup,
     )
 
 
@@ -120,7 +122,7 @@ def test_chunk_size_must_be_a_multiple_of_block_size() -> None:
             block_size=128,
             save_unfull_chunk=False,
             cpu_index=CpuTierIndex(0),
-            store_lookup=None,
+            local_lookup=None,
         )
 
 
@@ -159,3 +161,45 @@ def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
     )
     plan = s.take_plan()
     assert not plan.loads and not plan.saves
+
+
+def _remote(answer: Future[int]) -> SchedulerSide:
+    return SchedulerSide(
+        chunk_size=CHUNK,
+        block_size=BLOCK,
+        save_unfull_chunk=False,
+        cpu_index=CpuTierIndex(0),
+        local_lookup=lambda hashes: 0,
+        remote_lookup=lambda hashes: answer,
+        lookup_timeout=0.2,
+    )
+
+
+def test_a_pending_remote_lookup_answers_not_yet_then_the_hit() -> None:
+    prompt = list(range(1024))  # four chunks
+    answer: Future[int] = Future()
+    s = _remote(answer)
+    assert s.num_new_matched_tokens("r", prompt, 0) is None  # vLLM schedules others meanwhile
+    answer.set_result(4)
+    assert s.num_new_matched_tokens("r", prompt, 0) == 896
+    assert s.counters.take()["remote_lookups"] == 1
+
+
+def test_a_remote_lookup_that_does_not_answer_in_time_is_a_miss_not_a_wait() -> None:
+    prompt = list(range(1024))
+    s = _remote(Future())  # never answers: a black-holed endpoint
+    start = time.monotonic()
+    answers = []
+    while (n := s.num_new_matched_tokens("r", prompt, 0)) is None:
+        answers.append(n)
+    waited = time.monotonic() - start
+    assert n == 0 and answers  # asked again until lookup_timeout, then served without it
+    assert 0.2 <= waited < 0.5
+    counters = s.counters.take()
+    assert counters["lookup_timeouts"] == 1
+
+
+def test_a_failing_remote_lookup_is_a_miss() -> None:
+    answer: Future[int] = Future()
+    answer.set_exception(RuntimeError("boom"))
+    assert _remote(answer).num_new_matched_tokens("r", list(range(1024)), 0) == 0

@@ -155,6 +155,7 @@ class Doctor:
         return profile
 
     def check_bucket(self, cfg: KvtierConfig, client: Any, profile: str) -> bool:
+        from kvtier.tiers.s3 import fix_for
         from kvtier.tiers.s3_boto3 import error_cause
 
         bucket = cfg.s3_bucket or ""
@@ -162,20 +163,12 @@ class Doctor:
             client.head_bucket(Bucket=bucket)
         except Exception as exc:
             cause = error_cause(exc)
-            fixes = {
-                "http_403": f"the keys of profile {profile} are not accepted (401/403): check "
-                "aws_access_key_id/aws_secret_access_key against "
-                "`radosgw-admin user info`, and the bucket's owner/policy",
-                "http_404": f"create bucket {bucket} (the rgw_bucket role does) or fix key "
-                f"'remote_url' in {cfg.source}",
-                "http_400": "the endpoint rejected the request: check key 'endpoint_url' "
-                "(path-style http://host:port) and extra_config.s3_region",
-            }
             return self.add(
                 "bucket",
                 False,
                 f"HEAD s3://{bucket}: {cause} ({exc})",
-                fixes.get(cause, f"see the error above; endpoint {client.meta.endpoint_url}"),
+                fix_for(cause, cfg, profile)
+                or f"see the error above; endpoint {client.meta.endpoint_url}",
             )
         return self.add("bucket", True, f"s3://{bucket} exists and is accessible")
 

@@ -78,6 +78,8 @@ class Tier(ABC):
 
     #: Short label used in stats and logs ("cpu", "disk", "s3").
     name: str = "tier"
+    #: A tier over the network (S3): searched with few requests, behind a circuit breaker.
+    remote: bool = False
 
     @abstractmethod
     def contains(self, key: str) -> bool:
@@ -107,6 +109,11 @@ class Tier(ABC):
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(key, size in bytes) for each stored key starting with ``prefix``."""
+
+    def probe(self) -> None:
+        """Raise :class:`TierError` when the medium cannot be used now (a remote tier asks its
+        endpoint; the circuit breaker of kvtier.tiers.guard calls this to see it answer again)."""
+        self.contains(".kvtier-probe/0")
 
     def evictions(self) -> int:
         """Blobs evicted to stay under the cap since start."""

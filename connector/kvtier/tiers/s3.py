@@ -29,6 +29,28 @@ from kvtier.tiers.s3_boto3 import Boto3S3Tier
 from kvtier.tiers.s3_crt import CrtS3Tier
 
 
+def fix_for(cause: str, cfg: KvtierConfig, profile: str | None = None) -> str:
+    """What to change when the bucket of ``cfg`` fails with ``cause`` ("" for a cause without
+    a known fix); kvtier doctor and the connector's start check say the same."""
+    profile = profile or cfg.aws_profile or "default"
+    bucket = cfg.s3_bucket
+    fixes = {
+        "http_403": f"the keys of profile {profile} are not accepted (401/403): check "
+        "aws_access_key_id/aws_secret_access_key against `radosgw-admin user info`, and the "
+        "bucket's owner/policy",
+        "http_404": f"create bucket {bucket} (the rgw_bucket role does) or fix key 'remote_url' "
+        f"in {cfg.source}",
+        "http_400": "the endpoint rejected the request: check key 'endpoint_url' (path-style "
+        "http://host:port) and extra_config.s3_region",
+        "connection": "nothing answers at the endpoint: start the S3 service (radosgw/haproxy) "
+        f"or fix key 'endpoint_url' in {cfg.source}",
+        "timeout": "the endpoint accepts no request in time (a hung or unreachable S3 service)",
+        "no_credentials": f"set key 'aws_profile' in {cfg.source} to a profile with "
+        "aws_access_key_id and aws_secret_access_key",
+    }
+    return fixes.get(cause, "")
+
+
 def make_s3_tier(cfg: KvtierConfig) -> Tier:
     """The S3 tier ``cfg`` asks for (``s3_client``: auto, boto3 or crt).
 

@@ -21,36 +21,51 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def s3_client_config(cfg: KvtierConfig, pool: int) -> Any:
+#: A connection to an S3 endpoint on the local network that takes longer than this is to a dead
+#: or partitioned host: give up and let the circuit breaker count it.
+CONNECT_TIMEOUT_SECS = 2.0
+#: HEADs (lookups, probes) answer in milliseconds; one that takes longer waits on a hung endpoint.
+HEAD_TIMEOUT_SECS = 2.0
+
+
+def s3_client_config(cfg: KvtierConfig, pool: int, *, head: bool = False) -> Any:
+    """Data client: reads of up to ``blocking_timeout_secs``, one retry. HEAD client
+    (``head``): short reads, no retry. Failures beyond these are the circuit breaker's
+    (kvtier.tiers.guard), not more waiting: a retry of a hung call only doubles the wait."""
     from botocore.config import Config
 
+    timeout = cfg.blocking_timeout_secs
     return Config(
         region_name=cfg.extra_config.s3_region,
         s3={"addressing_style": "path"},
         signature_version="s3v4",
-        connect_timeout=cfg.blocking_timeout_secs,
-        read_timeout=cfg.blocking_timeout_secs,
-        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=min(timeout, CONNECT_TIMEOUT_SECS),
+        read_timeout=min(timeout, HEAD_TIMEOUT_SECS) if head else timeout,
+        retries={"max_attempts": 1 if head else 2, "mode": "standard"},
         max_pool_connections=pool,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
 
 
-def make_boto3_client(cfg: KvtierConfig, pool: int = 32) -> Any:
-    """A boto3 S3 client for ``cfg``; raises ConfigError naming the key to fix."""
+def _session(cfg: KvtierConfig) -> Any:
     import boto3
     from botocore.exceptions import ProfileNotFound
 
     try:
-        session = boto3.session.Session(profile_name=cfg.aws_profile)
+        return boto3.session.Session(profile_name=cfg.aws_profile)
     except ProfileNotFound as exc:
         raise ConfigError(
             f"key 'aws_profile' in {cfg.source}: profile {cfg.aws_profile!r} not found in "
             f"~/.aws/config or ~/.aws/credentials (or $AWS_CONFIG_FILE / "
             f"$AWS_SHARED_CREDENTIALS_FILE) of this user"
         ) from exc
-    return session.client("s3", endpoint_url=cfg.endpoint_url, config=s3_client_config(cfg, pool))
+
+
+def make_boto3_client(cfg: KvtierConfig, pool: int = 32, *, head: bool = False) -> Any:
+    """A boto3 S3 client for ``cfg``; raises ConfigError naming the key to fix."""
+    config = s3_client_config(cfg, pool, head=head)
+    return _session(cfg).client("s3", endpoint_url=cfg.endpoint_url, config=config)
 
 
 def error_cause(exc: BaseException) -> str:
@@ -79,9 +94,19 @@ def error_cause(exc: BaseException) -> str:
 
 class Boto3S3Tier(Tier):
     name = "s3"
+    remote = True
 
-    def __init__(self, client: Any, bucket: str, prefix: str, concurrency: int = 32) -> None:
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        prefix: str,
+        concurrency: int = 32,
+        head_client: Any | None = None,
+    ) -> None:
         self._client = client
+        #: HEADs (lookups, probes) go through a client with short timeouts and no retry.
+        self._head_client = head_client or client
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._pool = ThreadPoolExecutor(
@@ -93,7 +118,14 @@ class Boto3S3Tier(Tier):
         pool = cfg.extra_config.s3_max_io_concurrency
         if cfg.s3_bucket is None:
             raise ConfigError(f"key 'remote_url' in {cfg.source} is needed for the S3 tier")
-        return cls(make_boto3_client(cfg, pool), cfg.s3_bucket, cfg.s3_prefix, pool)
+        session = _session(cfg)
+        clients = [
+            session.client(
+                "s3", endpoint_url=cfg.endpoint_url, config=s3_client_config(cfg, pool, head=head)
+            )
+            for head in (False, True)
+        ]
+        return cls(clients[0], cfg.s3_bucket, cfg.s3_prefix, pool, head_client=clients[1])
 
     def object_key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -116,7 +148,7 @@ class Boto3S3Tier(Tier):
     def contains(self, key: str) -> bool:
         okey = self.object_key(key)
         try:
-            self._client.head_object(Bucket=self.bucket, Key=okey)
+            self._head_client.head_object(Bucket=self.bucket, Key=okey)
             return True
         except Exception as exc:
             if self._is_not_found(exc):
@@ -147,6 +179,10 @@ class Boto3S3Tier(Tier):
             if self._is_not_found(exc):
                 return None
             raise TierError(error_cause(exc), f"S3 GET s3://{self.bucket}/{okey}: {exc}") from exc
+
+    def probe(self) -> None:
+        """HEAD the bucket (short timeout): raises TierError when it cannot be used."""
+        self._call("HEAD", "", lambda: self._head_client.head_bucket(Bucket=self.bucket))
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         okey = self.object_key(key)

@@ -79,6 +79,7 @@ class _Pending:
 
 class CrtS3Tier(Tier):
     name = "s3"
+    remote = True
 
     def __init__(
         self,
@@ -252,6 +253,9 @@ class CrtS3Tier(Tier):
 
     def delete(self, key: str) -> None:
         self._admin.delete(key)
+
+    def probe(self) -> None:
+        self._admin.probe()
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         return self._admin.list_keys(prefix)

@@ -31,10 +31,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.config import KvtierConfig, load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import model_identity
+from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
-from kvtier.vllm.layout import BlockCopier, KVLayout, check_tensors, expected_layout
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide, StepPlan
+from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.layout import KVLayout, check_tensors, expected_layout
+from kvtier.vllm.plan import StepPlan
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
+from kvtier.vllm.stores import RemoteLookups, open_store
 from kvtier.vllm.version import check_vllm_version
 from kvtier.vllm.worker import WorkerSide
 
@@ -67,20 +71,6 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-def _warm_up(store: TieredStore) -> None:
-    """Open the slow tiers' connections now (boto3 builds its client and pool lazily), so the
-    first request after a restart does not pay for it. Asks for absent keys straight from
-    the tiers: nothing is stored and the store's counters stay untouched."""
-    keys = [store.key(f"{i:032x}") for i in range(16)]
-    for tier in store.tiers:
-        if tier.name == "cpu":
-            continue
-        try:
-            tier.contains_many(keys)
-        except Exception as exc:  # only a warm-up: the real requests report real failures
-            log.info("kvtier: warming up the %s tier failed: %s", tier.name, exc)
-
-
 def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
     size = int(vllm_config.parallel_config.tensor_parallel_size)
     if role != KVConnectorRole.WORKER or size == 1:
@@ -107,6 +97,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.fingerprint = fingerprint.digest()
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
+        self._lookups: RemoteLookups | None = None
+        self._last_lookup_stats = StoreStats()
         self._worker: WorkerSide | None = None
         #: Requests served without kvtier (a namespace not allowed), warned about once each.
         self._bypassed: set[str] = set()
@@ -152,9 +144,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stats = os.path.join(cfg.stats_path, "scheduler") if cfg.stats_path else None
         shared = cfg.model_copy(update={"local_cpu": False, "stats_dir": stats})
         if shared.local_disk or shared.remote_url:
-            self._lookup_store = TieredStore.from_config(shared, self.fingerprint)
-            _warm_up(self._lookup_store)
+            self._lookup_store = open_store(shared, self.fingerprint, "scheduler")
         store = self._lookup_store
+        if store is not None and store.remote_tier is not None:
+            self._lookups = RemoteLookups(store)
         disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
         blocks = cfg.chunk_size // self.layout.block_size
         blob = self.layout.payload_nbytes(blocks) + HEADER_SIZE
@@ -163,7 +156,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             block_size=self.layout.block_size,
             save_unfull_chunk=cfg.save_unfull_chunk,
             cpu_index=CpuTierIndex(cfg.cpu_bytes // blob),
-            store_lookup=store.lookup_prefix if store else None,
+            local_lookup=store.lookup_local if store else None,
+            remote_lookup=self._lookups.submit if self._lookups else None,
+            lookup_timeout=cfg.lookup_timeout_secs,
+            on_lookup=store.count_lookup if store else None,
             disk_contains=(
                 (lambda hs: disk.contains_many([store.key(h) for h in hs]))
                 if disk is not None and store is not None
@@ -173,11 +169,15 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors = check_tensors(self.layout, kv_caches)
-        store = TieredStore.from_config(self.cfg, self.fingerprint)
-        _warm_up(store)
+        store = open_store(self.cfg, self.fingerprint, "worker")
+        if store is None:
+            return  # no tier left to use (logged): served without kvtier
         self._worker = WorkerSide(
             store,
-            BlockCopier(self.layout, tensors),
+            # CUDA: the pinned pool holds whole chunks, sized once (CPU: unused).
+            BlockCopier(
+                self.layout, tensors, max_blocks=self.cfg.chunk_size // self.layout.block_size
+            ),
             self.cfg.blocking_timeout_secs,
             parallel_fetch=any(t.name not in ("cpu", "disk") for t in store.tiers),
         )
@@ -297,9 +297,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------------------------ stats
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
         if self._worker is not None:
-            data: dict[str, float] = self._worker.take_stats()
+            data: dict[str, Any] = self._worker.take_stats()
         elif self._scheduler is not None:
-            data = {k: float(v) for k, v in self._scheduler.counters.take().items()}
+            data = self._scheduler.counters.take()
+            if self._lookup_store is not None:
+                now = self._lookup_store.stats()
+                data.update(store_deltas(self._last_lookup_stats, now))
+                self._last_lookup_stats = now
         else:
             return None
         stats = KvtierConnectorStats(data={k: v for k, v in data.items() if v})
@@ -324,6 +328,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info("kvtier: worker shutting down, flushing background writes")
             self._worker.close(self.cfg.blocking_timeout_secs)
             self._worker = None
+        if self._lookups is not None:
+            self._lookups.close()
+            self._lookups = None
         if self._lookup_store is not None:
             self._lookup_store.close(self.cfg.blocking_timeout_secs)
             self._lookup_store = None

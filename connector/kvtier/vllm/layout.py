@@ -1,28 +1,40 @@
 """What one KV block looks like in vLLM's paged buffer, and how whole blocks are copied.
 
 kvtier never interprets KV values: it copies whole blocks as raw bytes. What must match between
-writer and reader is therefore the exact memory layout of a block, and that goes into the
-layout fingerprint (hence into every key), so chunks written under one layout are never read
-under another:
+writer and reader is therefore the exact byte order of a block, and that goes into the layout
+fingerprint (hence into every key), so chunks written under one layout are never read under
+another.
 
-- CPU build (tested): one tensor per layer, ``[num_blocks, num_kv_heads, block_size,
-  2 * head_size]``; *inside* a block the order depends on the CPU attention kernel variant
-  (``vec``, ``vec16``, ``amx``, ...: K may be stored transposed), which vLLM picks from the
-  dtype, block size, head size and the CPU's ISA.
-- CUDA build: the attention backend (e.g. FLASH_ATTN) and its cache layout (NHD/HND) name the
-  layout; blocks are gathered on the device and copied to host memory through a pinned buffer.
-  The copies are tested on an H200 with torch (connector/tests/cuda); vLLM's CUDA build with
-  this connector has not run (no machine here has it), so `expected_layout`'s CUDA branch is
-  UNTESTED.
+In vLLM 0.32 every attention layer's cache, on both builds, is handed to connectors as a
+*logical* ``[num_blocks, H, N, C]`` view of one shared allocation (``allocate_kv_cache`` /
+``create_kv_cache_views`` in vllm/v1/worker/utils.py and vllm/v1/kv_cache_interface.py):
+``H = spec.num_heads`` (the KV heads, or a backend's head slots), ``N = spec.num_states`` (the
+block size) and ``C`` = one state's content, i.e. ``[K | V]`` = ``2 * head_size`` elements for
+the usual backends. Backends no longer declare ``get_kv_cache_shape``: what differs is the
+*physical* order, one ``KVCacheLayout`` (vllm/v1/kv_cache_layout.py) resolved once for the
+whole model by the engine core from every backend's ``supported_kv_cache_layouts()`` (or
+``VLLM_KV_CACHE_LAYOUT``) and stored in ``KVCacheConfig.kv_cache_layout``:
 
-The per-layer tensors vLLM 0.32 hands to connectors are logical ``[blocks, ...]`` views, so
-indexing dimension 0 selects blocks on both builds.
+- CPU build (tested end to end): ``cpu_attn`` supports ``LBHNC`` only, so each layer is one
+  contiguous ``[blocks, kv_heads, block_size, 2 * head_size]`` tensor; *inside* a block the
+  order also depends on the CPU attention kernel variant (``vec``, ``vec16``, ``amx``, ...: K
+  may be stored transposed), which vLLM picks from the dtype, block size, head size and ISA.
+- CUDA build: FLASH_ATTN, TRITON_ATTN and FLASHINFER on Hopper declare no preference (any of
+  the six layouts; the default is ``LBNHC``), FLEX_ATTENTION ``LBNHC`` only, FLASHINFER on
+  Blackwell ``LBHNC``/``BLHNC``. A block's page is stored as its ``[H, N, C]`` in the
+  layout's within-block order: ``HND`` (``LBHNC``, ``LHBNC``, ``BLHNC``, ``BHLNC``) or ``NHD``
+  (``LBNHC``, ``BLNHC``); where layers and blocks sit around it (layer-major, block-major,
+  heads split across blocks) does not change those bytes. The payload keeps the page in that
+  order, so the variant is ``HND`` or ``NHD``. The copies (kvtier.vllm.cuda_copy) read the
+  strides of the tensors vLLM registers; they are tested on an H200 with torch against views
+  built as vLLM 0.32 builds them (connector/tests/cuda), but vLLM's CUDA build itself has not
+  run with this connector (no machine here has it): `expected_layout`'s CUDA branch is
+  UNTESTED against a live vLLM.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +51,7 @@ class KVLayout:
     """Layout of one TP rank's KV cache, identical in the scheduler and in the worker."""
 
     backend: str  # "cpu_attn", or the CUDA attention backend's name
-    variant: str  # CPU kernel ISA ("amx", "vec", "vec16", ...) or the CUDA cache layout
+    variant: str  # CPU kernel ISA ("amx", "vec", "vec16", ...) or the CUDA page order (HND/NHD)
     device: str  # "cpu" or "cuda"
     dtype: str  # e.g. "bfloat16"
     itemsize: int
@@ -49,6 +61,9 @@ class KVLayout:
     block_size: int
     #: Logical shape of one block of one layer (what ``kv_layer[block_id]`` returns).
     block_shape: tuple[int, ...]
+    #: vLLM's resolved KVCacheLayout name (CUDA; e.g. "LBNHC"). Not part of the key: the
+    #: page bytes only depend on `variant`, wherever vLLM puts layers and blocks.
+    cache_layout: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -87,6 +102,57 @@ class KVLayout:
 def _natural_key(name: str) -> tuple[Any, ...]:
     # "model.layers.10.self_attn.attn" must sort after "model.layers.9...".
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+#: vLLM's legacy names for two KVCacheLayout members (vllm/config/cache.py).
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def page_order(layer_view_order: Sequence[int]) -> str:
+    """``"HND"`` or ``"NHD"``: the order of a block's ``[H, N, C]`` in memory, from a
+    KVCacheLayout's ``layer_view_order`` (physical order of the logical ``[B, H, N, C]`` axes;
+    e.g. LBNHC -> ``(0, 2, 1, 3)`` -> ``"NHD"``)."""
+    order = tuple(int(d) for d in layer_view_order)
+    if sorted(order) != [0, 1, 2, 3] or order[-1] != 3:
+        raise LayoutError(f"not a KV cache layer view order (C innermost): {order}")
+    inner = [d for d in order if d in (1, 2)]
+    return "HND" if inner == [1, 2] else "NHD"
+
+
+def cuda_kv_layout(
+    *,
+    backend: str,
+    cache_layout: str,
+    layer_view_order: Sequence[int],
+    num_heads: int,
+    num_states: int,
+    content_elems: int,
+    common: dict[str, Any],
+) -> KVLayout:
+    """The KVLayout of a CUDA build, from vLLM's resolved KVCacheLayout and the (backend
+    customised) KV cache spec: logical block ``[num_heads, num_states, content_elems]``."""
+    return KVLayout(
+        backend=backend,
+        variant=page_order(layer_view_order),
+        device="cuda",
+        block_shape=(num_heads, num_states, content_elems),
+        cache_layout=cache_layout,
+        **common,
+    )
+
+
+def _cuda_backend_name(vllm_config: Any, spec: Any, dtype: Any, cache_dtype: str) -> str:
+    """The attention backend's name (part of the key: a backend may pack a page its own way,
+    e.g. B12X's K and V planes). UNTESTED against vLLM's CUDA build."""
+    configured = getattr(vllm_config.attention_config, "backend", None)
+    if configured is not None:
+        return str(configured.name)
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(spec.head_size, dtype, cache_dtype)
+    return str(backend.get_name())
 
 
 def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
@@ -133,20 +199,32 @@ def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
             block_shape=(spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
             **common,
         )
-    if current_platform.is_cuda():  # UNTESTED: no vLLM-capable GPU machine here
-        from vllm.distributed.kv_transfer.kv_connector.utils import (
-            get_kv_connector_cache_layout,
-        )
-        from vllm.v1.attention.selector import get_attn_backend
+    if current_platform.is_cuda():  # UNTESTED against vLLM's CUDA build (no such machine here)
+        from vllm.v1.kv_cache_layout import KVCacheLayout
 
-        backend = get_attn_backend(spec.head_size, dtype, cache_dtype)
-        return KVLayout(
-            backend=backend.get_name(),
-            variant=str(get_kv_connector_cache_layout(vllm_config)),
-            device="cuda",
-            # Logical per-layer view vLLM 0.32 gives connectors: [blocks, heads, tokens, K|V].
-            block_shape=(spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
-            **common,
+        name = getattr(kv_cache_config, "kv_cache_layout", None)
+        name = name or vllm_config.cache_config.kv_cache_layout
+        if name is None:
+            raise LayoutError(
+                "vLLM has not resolved its KV cache layout (KVCacheConfig.kv_cache_layout is "
+                "unset): kvtier needs vLLM 0.32's engine core to resolve it first"
+            )
+        cache_layout = KVCacheLayout[_LAYOUT_ALIASES.get(name, name)]
+        content = spec.state_content_size_bytes
+        if content % itemsize or getattr(spec, "tokens_per_state", 1) != 1:
+            raise LayoutError(
+                f"kvtier cannot copy this KV cache spec ({type(spec).__name__}: "
+                f"{content} content bytes per state, tokens_per_state="
+                f"{getattr(spec, 'tokens_per_state', 1)})"
+            )
+        return cuda_kv_layout(
+            backend=_cuda_backend_name(vllm_config, spec, dtype, cache_dtype),
+            cache_layout=cache_layout.name,
+            layer_view_order=cache_layout.layer_view_order,
+            num_heads=spec.num_heads,
+            num_states=spec.num_states,
+            content_elems=content // itemsize,
+            common=common,
         )
     raise LayoutError(
         f"kvtier supports the CPU and CUDA builds of vLLM, not platform "
@@ -154,8 +232,90 @@ def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
     )
 
 
+@dataclass(frozen=True)
+class PageGeometry:
+    """Where the pages (one block of one layer) of a paged KV cache lie, in `word`-byte units
+    relative to the first layer's storage: page of layer l, block b = `runs` runs of
+    `run_words` words at ``layer_offsets[l] + b * block_stride + r * run_stride``. The payload
+    holds each page as those runs in order (the block's ``[H, N, C]`` in memory order)."""
+
+    word: int
+    layer_offsets: tuple[int, ...]
+    block_stride: int
+    run_stride: int
+    run_words: int
+    runs: int
+    #: Permutation of the logical dims (1, 2, 3) into memory order (for torch's own ops).
+    inner_order: tuple[int, ...]
+    #: Largest power of two <= 16 dividing every byte offset, stride and run length.
+    align: int
+
+    @property
+    def page_words(self) -> int:
+        return self.runs * self.run_words
+
+
+def page_geometry(
+    shape: Sequence[int],
+    strides: Sequence[Sequence[int]],
+    byte_addresses: Sequence[int],
+    itemsize: int,
+    base_address: int,
+) -> PageGeometry:
+    """The PageGeometry of per-layer ``[B, H, N, C]`` views with these element strides and data
+    addresses (`base_address`: where offsets count from). Pure arithmetic: no torch."""
+    if len(shape) != 4:
+        raise LayoutError(f"KV cache views must be [blocks, H, N, C], got shape {tuple(shape)}")
+    if any(tuple(s) != tuple(strides[0]) for s in strides):
+        raise LayoutError("the layers' KV cache views have different strides")
+    st = [int(x) for x in strides[0]]
+    size = [int(x) for x in shape]
+    if size[3] > 1 and st[3] != 1:
+        raise LayoutError(f"the content dim of the KV cache is not contiguous (strides {st})")
+    # Memory order of the block's dims: size-1 dims first (their stride is meaningless).
+    inner = sorted((1, 2, 3), key=lambda d: (1, -st[d]) if size[d] > 1 else (0, 0))
+    run = 1
+    outer: list[int] = []
+    for d in reversed(inner):
+        if size[d] == 1:
+            continue
+        if not outer and st[d] == run:
+            run *= size[d]
+        else:
+            outer.append(d)
+    if len(outer) > 1:
+        raise LayoutError(f"kvtier cannot copy blocks with strides {st} (shape {size})")
+    runs = size[outer[0]] if outer else 1
+    run_stride = st[outer[0]] if outer else run
+    byte_quantities = [
+        *(a - base_address for a in byte_addresses),
+        st[0] * itemsize,
+        run_stride * itemsize,
+        run * itemsize,
+        base_address,
+    ]
+    g = 0
+    for q in byte_quantities:
+        g = math.gcd(g, q)
+    align = 16
+    while align > 1 and g % align:
+        align //= 2
+    word = min(align, 4)
+    return PageGeometry(
+        word=word,
+        layer_offsets=tuple((a - base_address) // word for a in byte_addresses),
+        block_stride=st[0] * itemsize // word,
+        run_stride=run_stride * itemsize // word,
+        run_words=run * itemsize // word,
+        runs=runs,
+        inner_order=tuple(inner),
+        align=align,
+    )
+
+
 def check_tensors(layout: KVLayout, kv_caches: dict[str, Any]) -> list[Any]:
-    """The per-layer tensors in `layout.layer_names` order, after checking their shapes."""
+    """The per-layer tensors in `layout.layer_names` order, after checking their shapes (and,
+    on CUDA, that their strides give the page order the layout names)."""
     missing = [n for n in layout.layer_names if n not in kv_caches]
     if missing:
         raise LayoutError(f"vLLM registered no KV cache for layers {missing}")
@@ -168,98 +328,31 @@ def check_tensors(layout: KVLayout, kv_caches: dict[str, Any]) -> list[Any]:
                 f"{layout.block_shape} for {layout.kv_layout()}: this vLLM build lays out "
                 "its CPU KV cache differently than kvtier expects"
             )
+        if layout.device == "cuda" and block_shape != layout.block_shape:
+            raise LayoutError(
+                f"KV cache of {name} has blocks of shape {block_shape}, expected "
+                f"{layout.block_shape} for {layout.kv_layout()} (a kernel block size smaller "
+                "than --block-size splits blocks, which kvtier does not support: set "
+                "--block-size to one the attention backend takes)"
+            )
         if math.prod(block_shape) * t.element_size() != layout.block_nbytes:
             raise LayoutError(
                 f"KV cache of {name}: {math.prod(block_shape) * t.element_size()} bytes per "
                 f"block, expected {layout.block_nbytes} ({layout.kv_layout()})"
             )
-    return tensors
-
-
-class BlockCopier:
-    """Copies whole blocks of every layer between vLLM's paged buffer and a flat payload.
-
-    Payload order: layer-major, then block (``[layer][block][raw block bytes]``), so a prefix
-    of a chunk's blocks can be read without touching the rest.
-    """
-
-    def __init__(self, layout: KVLayout, tensors: Sequence[Any]) -> None:
-        self.layout = layout
-        self.tensors = list(tensors)
-        #: Pinned host staging buffers of the device gather, one per shape (a chunk has one
-        #: shape, a partial chunk a few more): pinning memory costs more than the copy itself.
-        self._pinned: dict[tuple[int, ...], Any] = {}
-        self._pinned_lock = threading.Lock()
-
-    def gather(self, block_ids: Sequence[int]) -> bytes:
-        """Raw bytes of `block_ids` (in that order) of every layer."""
-        import torch
-
-        first = self.tensors[0]
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
-        if first.device.type != "cpu":
-            return self._gather_device(idx)
-        # One index_select per layer into a preallocated host buffer: a single memcpy each.
-        out = torch.empty(
-            (self.layout.num_layers, len(block_ids), *first.shape[1:]),
-            dtype=first.dtype,
-            device="cpu",
+    if layout.device == "cuda":
+        geometry = page_geometry(
+            tensors[0].shape,
+            [t.stride() for t in tensors],
+            [t.data_ptr() for t in tensors],
+            tensors[0].element_size(),
+            tensors[0].data_ptr(),
         )
-        for i, t in enumerate(self.tensors):
-            torch.index_select(t, 0, idx, out=out[i])
-        raw: bytes = out.view(torch.uint8).numpy().tobytes()
-        return raw
-
-    def _gather_device(self, idx: Any) -> bytes:
-        """CUDA: gather every layer on the device, then one copy into a pinned host buffer.
-        Measured on an H200 (4 layers x 16 blocks, 4 MiB): 6.2-7.4 GB/s, against 0.7-3.5 GB/s
-        (varying between runs) for a copy per layer into pageable memory (connector/tests/cuda)."""
-        import torch
-
-        on_device = torch.stack([t.index_select(0, idx) for t in self.tensors])
-        shape = tuple(on_device.shape)
-        with self._pinned_lock:
-            staging = self._pinned.get(shape)
-            if staging is None:
-                staging = torch.empty(shape, dtype=on_device.dtype, pin_memory=True)
-                self._pinned[shape] = staging
-            staging.copy_(on_device)
-            raw: bytes = staging.view(torch.uint8).numpy().tobytes()
-        return raw
-
-    def scatter(
-        self, payload: bytes | memoryview, stored_blocks: int, first: int, block_ids: Sequence[int]
-    ) -> None:
-        """Write blocks ``first .. first+len(block_ids)`` of a payload holding `stored_blocks`
-        blocks per layer into `block_ids` of every layer."""
-        self.scatter_many([(payload, stored_blocks, first, block_ids)])
-
-    def check_payload(self, payload: bytes | memoryview, stored_blocks: int) -> None:
-        expected = self.layout.payload_nbytes(stored_blocks)
-        if len(payload) != expected:
-            raise LayoutError(f"payload has {len(payload)} bytes, expected {expected}")
-
-    def scatter_many(
-        self, items: Sequence[tuple[bytes | memoryview, int, int, Sequence[int]]]
-    ) -> None:
-        """`scatter` for several (payload, stored_blocks, first, block_ids), copying each
-        payload once, straight from the fetched bytes into the KV cache."""
-        import warnings
-
-        import torch
-
-        if not items:
-            return
-        t0 = self.tensors[0]
-        for payload, stored_blocks, first, block_ids in items:
-            self.check_payload(payload, stored_blocks)
-            with warnings.catch_warnings():
-                # Read-only buffer: torch warns that writing through it would be undefined;
-                # it is only read here (one copy, straight into the KV cache).
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(payload, dtype=torch.uint8)
-            src = src.view(t0.dtype).view(self.layout.num_layers, stored_blocks, *t0.shape[1:])
-            part = src[:, first : first + len(block_ids)]
-            idx = torch.tensor(list(block_ids), dtype=torch.long, device=t0.device)
-            for i, t in enumerate(self.tensors):
-                t.index_copy_(0, idx, part[i].to(t.device))
+        order = "".join("HNC"[d - 1] for d in geometry.inner_order)
+        found = "NHD" if order.index("N") < order.index("H") else "HND"
+        if found != layout.variant and layout.block_shape[0] > 1 and layout.block_shape[1] > 1:
+            raise LayoutError(
+                f"the KV cache vLLM registered stores blocks in {found} order, but its "
+                f"configured layout {layout.cache_layout or '?'} means {layout.variant}"
+            )
+    return tensors

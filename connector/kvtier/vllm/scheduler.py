@@ -16,48 +16,43 @@ Rules:
   an LRU index of the chunks it told the worker to save or load (each lands in the worker's
   CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
   the worker's load fails and vLLM recomputes: a miss, never wrong KV.
+- The remote tier is never asked inside vLLM's scheduler loop: its lookup runs in a thread
+  (``remote_lookup`` returns a future), and until it answers the request is reported as "not
+  yet" (None) so vLLM schedules the others. After ``lookup_timeout`` the request goes ahead
+  with what the local tiers hold: a slow or dead remote tier delays no request by more.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.keys import chunk_hashes
+from kvtier.ratelimit import RateLimitedLog
+from kvtier.stats import SAMPLES
+from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
 
 log = logging.getLogger(__name__)
+_warnings = RateLimitedLog(log)
 
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`."""
-
-    req_id: str
-    chunk_hash: str
-    stored_blocks: int
-    first: int
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    """Copy `block_ids` (all layers) and store them under `chunk_hash`."""
-
-    req_id: str
-    chunk_hash: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
+#: Seconds one call may wait for a pending remote lookup before answering "not yet" (short: the
+#: scheduler calls again at its next step, and other requests are scheduled meanwhile).
+_LOOKUP_POLL_SECS = 0.001
 
 
 @dataclass
-class StepPlan:
-    """What the workers do in one step (sent inside the connector metadata)."""
+class _PendingLookup:
+    """A remote lookup in flight for chunks from ``local`` on."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
+    future: Future[int]
+    local: int
+    in_cpu: int
+    started: float
 
 
 @dataclass
@@ -71,6 +66,8 @@ class _Request:
     found_in_cpu: int = 0
     #: Locally computed tokens when the lookup was made (vLLM's own prefix cache).
     local_tokens: int = 0
+    #: The remote lookup while it runs.
+    pending: _PendingLookup | None = None
     #: (start token, token count) to load in the next step, set after allocation.
     pending_load: tuple[int, int] | None = None
     #: Next chunk index to consider for saving; chunks below `known_stored` are never saved.
@@ -90,18 +87,27 @@ class SchedulerCounters:
     hit_tokens: int = 0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     planned_save_chunks: int = 0
+    #: Lookups that asked the remote tier, their time until answered (or given up), and those
+    #: given up after lookup_timeout.
+    remote_lookups: int = 0
+    remote_lookup_seconds: list[float] = field(default_factory=list)
+    lookup_timeouts: int = 0
 
-    def take(self) -> dict[str, int]:
-        out = {
+    def take(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "lookup_requests": self.lookup_requests,
             "lookup_tokens": self.lookup_tokens,
             "hit_tokens": self.hit_tokens,
             "planned_save_chunks": self.planned_save_chunks,
+            "remote_lookups": self.remote_lookups,
+            "remote_lookup_seconds" + SAMPLES: self.remote_lookup_seconds,
+            "lookup_timeouts": self.lookup_timeouts,
         }
         for tier, n in self.hit_tokens_by_tier.items():
             out[f"hit_tokens.{tier}"] = n
         self.lookup_requests = self.lookup_tokens = self.hit_tokens = 0
-        self.planned_save_chunks = 0
+        self.planned_save_chunks = self.remote_lookups = self.lookup_timeouts = 0
+        self.remote_lookup_seconds = []
         self.hit_tokens_by_tier = {}
         return out
 
@@ -141,9 +147,12 @@ class SchedulerSide:
         block_size: int,
         save_unfull_chunk: bool,
         cpu_index: CpuTierIndex,
-        store_lookup: Callable[[Sequence[str]], int] | None,
+        local_lookup: Callable[[Sequence[str]], int] | None,
+        remote_lookup: Callable[[Sequence[str]], Future[int]] | None = None,
+        lookup_timeout: float = 0.1,
         disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
         remote_tier: str = "s3",
+        on_lookup: Callable[[int, int], None] | None = None,
     ) -> None:
         if chunk_size % block_size:
             raise ValueError(
@@ -155,7 +164,10 @@ class SchedulerSide:
         self.blocks_per_chunk = chunk_size // block_size
         self.save_unfull_chunk = save_unfull_chunk
         self.cpu_index = cpu_index
-        self._store_lookup = store_lookup
+        self._local_lookup = local_lookup
+        self._remote_lookup = remote_lookup
+        self.lookup_timeout = lookup_timeout
+        self._on_lookup = on_lookup
         self._disk_contains = disk_contains
         self._remote_tier = remote_tier
         self._reqs: dict[str, _Request] = {}
@@ -179,12 +191,41 @@ class SchedulerSide:
             self._reqs[req_id] = st
         return st
 
-    def _lookup(self, hashes: Sequence[str]) -> tuple[int, int]:
-        in_cpu = self.cpu_index.leading(hashes)
-        found = in_cpu
-        if found < len(hashes) and self._store_lookup is not None:
-            found += self._store_lookup(hashes[found:])
-        return found, in_cpu
+    def _lookup(self, req_id: str, st: _Request) -> tuple[int, int] | None:
+        """(leading chunks found, of them in the CPU tier), or None while the remote tier's
+        answer is pending (for at most ``lookup_timeout`` seconds)."""
+        hashes = st.hashes
+        if st.pending is None:
+            in_cpu = self.cpu_index.leading(hashes)
+            local = in_cpu
+            if local < len(hashes) and self._local_lookup is not None:
+                local += self._local_lookup(hashes[local:])
+            if local == len(hashes) or self._remote_lookup is None:
+                return local, in_cpu
+            future = self._remote_lookup(hashes[local:])
+            st.pending = _PendingLookup(future, local, in_cpu, time.monotonic())
+        p = st.pending
+        left = self.lookup_timeout - (time.monotonic() - p.started)
+        try:
+            remote = p.future.result(timeout=max(0.0, min(left, _LOOKUP_POLL_SECS)))
+        except TimeoutError:
+            if left > _LOOKUP_POLL_SECS:
+                return None  # "not yet": vLLM asks again at its next step
+            remote = 0
+            self.counters.lookup_timeouts += 1
+            _warnings.warning(
+                "lookup_timeout",
+                f"request {req_id}: the remote tier did not answer its lookup within "
+                f"lookup_timeout_secs={self.lookup_timeout:g}: served from the local tiers "
+                f"({p.local} of {len(hashes)} chunks)",
+            )
+        except Exception as exc:  # the store answers 0 on failure; anything else is a miss
+            remote = 0
+            _warnings.warning("lookup_error", f"remote lookup of {req_id} failed: {exc!r}")
+        st.pending = None
+        self.counters.remote_lookups += 1
+        self.counters.remote_lookup_seconds.append(time.monotonic() - p.started)
+        return p.local + remote, p.in_cpu
 
     # ------------------------------------------------------------------ vLLM hooks
     def num_new_matched_tokens(
@@ -193,8 +234,9 @@ class SchedulerSide:
         prompt: Sequence[int],
         num_computed_tokens: int,
         namespace: str | None = None,
-    ) -> int:
-        """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned).
+    ) -> int | None:
+        """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned); None
+        while the remote tier's lookup is pending (vLLM then asks again at its next step).
 
         ``namespace`` (a request's own, see `KvtierConfig.request_namespaces`) files the
         request's chunks under that namespace instead of the configured one.
@@ -203,9 +245,14 @@ class SchedulerSide:
         if not st.enabled:
             return 0
         if st.found_chunks is None:
-            st.found_chunks, st.found_in_cpu = self._lookup(st.hashes)
+            found = self._lookup(req_id, st)
+            if found is None:
+                return None
+            st.found_chunks, st.found_in_cpu = found
             self.counters.lookup_requests += 1
             self.counters.lookup_tokens += st.prompt_len
+            if self._on_lookup is not None:
+                self._on_lookup(len(st.hashes), st.found_chunks)
         st.local_tokens = num_computed_tokens
         found_tokens = min(st.found_chunks * self.chunk_size, st.prompt_len)
         # Never the whole prompt: vLLM computes at least the last token to sample from it.

@@ -3,17 +3,25 @@
 Scheduler and workers each produce a flat ``{name: number}`` delta per step; vLLM sums them
 (``aggregate``) across workers and with the scheduler's own, ships them to the API process,
 logs them ("KV Transfer metrics: ...") and hands them to `KvtierPromMetrics.observe`. Nothing
-crosses processes any other way (no module globals, no default Prometheus registry).
+crosses processes any other way (no module globals, no default Prometheus registry). A key
+ending in ``@samples`` holds a list of durations (seconds) for a histogram; aggregating joins
+the lists.
 
 Names (values are token or chunk counts unless the name says otherwise):
 - scheduler: ``lookup_requests``, ``lookup_tokens`` (prompt tokens looked up), ``hit_tokens``
   (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
-  ``planned_save_chunks``;
+  ``planned_save_chunks``, ``remote_lookups``, ``lookup_timeouts`` (remote lookups given up
+  after lookup_timeout_secs), ``remote_lookup_seconds@samples``;
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
-  ``load_timeouts``, ``load_seconds``, ``saved_chunks``, ``saved_bytes``,
-  ``save_failed_chunks``, ``save_copy_seconds``, ``dropped_writes`` and per tier
-  ``tier.<tier>.{hits,misses,bytes_read,puts,bytes_written,errors}`` (chunks answered,
-  verified, by that tier).
+  ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
+  ``save_failed_chunks``, ``save_copy_seconds`` (and ``@samples``);
+- both (from their store): ``dropped_writes``, ``remote_lookup_requests`` and per tier
+  ``tier.<tier>.{hits,misses,bytes_read,puts,bytes_written,errors,errors.<cause>,
+  circuit_opened,circuit_closed}``.
+
+Prometheus (docs/metrics.md): counters ``kvtier:<name>_total`` in base units (tokens, chunks,
+bytes, seconds), histograms ``kvtier:<name>_seconds``, the gauge ``kvtier:tier_circuit_open``.
+The ``kvtier:`` prefix follows vLLM's own ``vllm:`` metrics on the same endpoint.
 """
 
 from __future__ import annotations
@@ -27,12 +35,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvtier.stats import SAMPLES
+
 TIERS = ("cpu", "disk", "s3")
+#: Histogram buckets (seconds) of loads, saves and remote lookups: 1 ms .. 10 s.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
 class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Flat, summable counters (``data: dict[str, float]``)."""
+    """Flat, summable counters (``data: dict[str, float]``; ``@samples`` keys hold lists)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -40,17 +52,29 @@ class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
     def aggregate(self, other: KVConnectorStats) -> KvtierConnectorStats:
         merged: dict[str, Any] = dict(self.data)
         for key, value in other.data.items():
-            merged[key] = merged.get(key, 0) + value
+            if key.endswith(SAMPLES):
+                merged[key] = [*merged.get(key, []), *value]
+            else:
+                merged[key] = merged.get(key, 0) + value
         return KvtierConnectorStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items())}
+        out: dict[str, int | float] = {}
+        for key, value in sorted(self.data.items()):
+            if key.endswith(SAMPLES):
+                name = key.removesuffix(SAMPLES)
+                out[f"{name}.count"] = len(value)
+                if value:
+                    out[f"{name}.mean_ms"] = round(1000 * sum(value) / len(value), 2)
+            else:
+                out[key] = round(value, 4) if isinstance(value, float) else value
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
-# (metric name, stats key or key pattern with {tier}, help text)
+# (metric name without _total, stats key, help text)
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:lookup_tokens", "lookup_tokens", "Prompt tokens kvtier looked up."),
     ("kvtier:hit_tokens", "hit_tokens", "Prompt tokens kvtier planned to load."),
@@ -63,6 +87,18 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:saved_chunks", "saved_chunks", "Chunks handed to the store."),
     ("kvtier:saved_bytes", "saved_bytes", "Payload bytes handed to the store."),
     ("kvtier:dropped_writes", "dropped_writes", "Background tier writes dropped (backpressure)."),
+    ("kvtier:remote_lookups", "remote_lookups", "Lookups that asked the remote tier."),
+    (
+        "kvtier:remote_lookup_requests",
+        "remote_lookup_requests",
+        "Requests (HEADs) the remote tier's lookups made.",
+    ),
+    (
+        "kvtier:lookup_timeouts",
+        "lookup_timeouts",
+        "Remote lookups given up after lookup_timeout_secs (the request went on without them).",
+    ),
+    ("kvtier:load_timeouts", "load_timeouts", "Loads that took longer than blocking_timeout_secs."),
 )
 _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     (
@@ -74,12 +110,25 @@ _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:tier_misses", "tier.{tier}.misses", "Chunk reads the tier could not answer."),
     ("kvtier:tier_bytes_read", "tier.{tier}.bytes_read", "Payload bytes read from the tier."),
     ("kvtier:tier_puts", "tier.{tier}.puts", "Chunks written to the tier."),
-    ("kvtier:tier_errors", "tier.{tier}.errors", "Failed tier operations (all causes)."),
+    (
+        "kvtier:tier_circuit_opened",
+        "tier.{tier}.circuit_opened",
+        "Times the tier's circuit breaker opened (the tier stopped being asked).",
+    ),
+)
+_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("kvtier:load_seconds", "load_seconds", "Loading the chunks of one step (fetch and copy)."),
+    ("kvtier:save_seconds", "save_copy_seconds", "Copying one step's chunks out to the store."),
+    (
+        "kvtier:remote_lookup_seconds",
+        "remote_lookup_seconds",
+        "A request's wait for the remote tier's lookup (answered or given up).",
+    ),
 )
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """Prometheus counters, registered by vLLM's metric classes (multiprocess-safe)."""
+    """Prometheus metrics, registered by vLLM's metric classes (multiprocess-safe)."""
 
     def __init__(
         self,
@@ -89,29 +138,57 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._plain: list[tuple[str, dict[int, Any]]] = []
-        for name, key, doc in _COUNTERS:
-            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            self._plain.append((key, create_metric_per_engine(counter, per_engine_labelvalues)))
-        self._tiered: list[tuple[str, dict[int, dict[str, Any]]]] = []
-        for name, pattern, doc in _TIER_COUNTERS:
-            counter = self._counter_cls(
-                name=name, documentation=doc, labelnames=[*labelnames, "tier"]
-            )
-            per_engine = {
-                idx: {tier: counter.labels(*values, tier) for tier in TIERS}
-                for idx, values in per_engine_labelvalues.items()
-            }
-            self._tiered.append((pattern, per_engine))
+        self._values = per_engine_labelvalues
+
+        def per_engine(cls: Any, name: str, doc: str, **kw: Any) -> dict[int, Any]:
+            metric = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
+            engines: dict[int, Any] = create_metric_per_engine(metric, per_engine_labelvalues)
+            return engines
+
+        def per_tier(cls: Any, name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return cls(name=name, documentation=doc, labelnames=[*labelnames, "tier", *extra])
+
+        self._plain = [(k, per_engine(self._counter_cls, n, d)) for n, k, d in _COUNTERS]
+        self._tiered = [(k, per_tier(self._counter_cls, n, d)) for n, k, d in _TIER_COUNTERS]
+        self._hist = [
+            (k, per_engine(self._histogram_cls, n, d, buckets=list(_BUCKETS)))
+            for n, k, d in _HISTOGRAMS
+        ]
+        self._errors = per_tier(
+            self._counter_cls,
+            "kvtier:tier_errors",
+            "Failed tier operations, by cause (timeout, connection, checksum, no_space, ...).",
+            ("cause",),
+        )
+        self._circuit_open = per_tier(
+            self._gauge_cls,
+            "kvtier:tier_circuit_open",
+            "Processes (scheduler, workers) whose circuit breaker keeps the tier out now.",
+        )
+        for values in per_engine_labelvalues.values():  # 0, not absent, while all is well
+            for tier in TIERS:
+                self._circuit_open.labels(*values, tier).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
-        for key, per_engine in self._plain:
-            value = data.get(key, 0)
-            if value:
-                per_engine[engine_idx].inc(value)
-        for pattern, per_engine_tiers in self._tiered:
-            for tier, metric in per_engine_tiers[engine_idx].items():
+        values = self._values[engine_idx]
+        for key, metric in self._plain:
+            if data.get(key):
+                metric[engine_idx].inc(data[key])
+        for key, hist in self._hist:
+            for seconds in data.get(key + SAMPLES, ()):
+                hist[engine_idx].observe(seconds)
+        for pattern, counter in self._tiered:
+            for tier in TIERS:
                 value = data.get(pattern.format(tier=tier), 0)
                 if value:
-                    metric.inc(value)
+                    counter.labels(*values, tier).inc(value)
+        for key, value in data.items():
+            if key.startswith("tier.") and ".errors." in key and value:
+                tier, _, cause = key.removeprefix("tier.").partition(".errors.")
+                self._errors.labels(*values, tier, cause).inc(value)
+        for tier in TIERS:
+            change = data.get(f"tier.{tier}.circuit_opened", 0)
+            change -= data.get(f"tier.{tier}.circuit_closed", 0)
+            if change:
+                self._circuit_open.labels(*values, tier).inc(change)

@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Protocol
+from typing import Any, Protocol
 
-from kvtier.stats import StoreStats
-from kvtier.vllm.layout import BlockCopier, LayoutError
-from kvtier.vllm.scheduler import LoadSpec, SaveSpec
+from kvtier.stats import SAMPLES, StoreStats, store_deltas
+from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.layout import LayoutError
+from kvtier.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class ChunkStore(Protocol):
 
     def get(self, chunk_hash: str) -> bytes | None: ...
     def get_many(self, hashes: Sequence[str]) -> list[bytes | None]: ...
-    def put(self, chunk_hash: str, payload: bytes, num_tokens: int) -> None: ...
+    def put(self, chunk_hash: str, payload: bytes | memoryview, num_tokens: int) -> None: ...
     def stats(self) -> StoreStats: ...
     def close(self, timeout: float | None = ...) -> None: ...
 
@@ -57,6 +58,7 @@ class WorkerSide:
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-fetch")
         self._failed_blocks: set[int] = set()
         self._counters: dict[str, float] = {}
+        self._samples: dict[str, list[float]] = {}
         self._last_store_stats = store.stats()
         # Warm the copy path (first torch calls allocate and spin up threads) on block 0,
         # unused before the first request, so the first real load is not slower than the rest.
@@ -64,6 +66,11 @@ class WorkerSide:
 
     def _count(self, key: str, n: float = 1) -> None:
         self._counters[key] = self._counters.get(key, 0) + n
+
+    def _sample(self, key: str, seconds: float) -> None:
+        """One duration for a histogram (and its sum as a counter under ``key``)."""
+        self._samples.setdefault(key, []).append(seconds)
+        self._count(key, seconds)
 
     # ------------------------------------------------------------------ loads
     def load(self, specs: Sequence[LoadSpec]) -> None:
@@ -114,7 +121,7 @@ class WorkerSide:
         self._count("loaded_chunks", loaded_chunks)
         self._count("loaded_tokens", loaded_tokens)
         elapsed = time.perf_counter() - start
-        self._count("load_seconds", elapsed)
+        self._sample("load_seconds", elapsed)
         log.info(
             "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms)",
             loaded_chunks,
@@ -145,41 +152,47 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
     def save(self, specs: Sequence[SaveSpec]) -> None:
+        """Copy each chunk's blocks out and hand them to the store, which copies what it keeps
+        (the buffer goes back to the copier at once). On CUDA the next chunks' copies are
+        already queued while one is handed over (BlockCopier.gather_iter)."""
         if not specs:
             return
         start = time.perf_counter()
-        for spec in specs:
-            try:
-                payload = self.copier.gather(spec.block_ids)
-            except Exception as exc:  # never fail the step over a cache write
-                log.warning("kvtier: cannot copy chunk %s: %s", spec.chunk_hash, exc, exc_info=True)
-                self._count("save_failed_chunks")
-                continue
-            self.store.put(spec.chunk_hash, payload, spec.num_tokens)
-            self._count("saved_chunks")
-            self._count("saved_bytes", len(payload))
-        self._count("save_copy_seconds", time.perf_counter() - start)
+        done = 0
+        try:
+            for i, buf in self.copier.gather_iter([s.block_ids for s in specs]):
+                spec = specs[i]
+                try:
+                    payload = buf.view()
+                    self.store.put(spec.chunk_hash, payload, spec.num_tokens)
+                    self._count("saved_chunks")
+                    self._count("saved_bytes", len(payload))
+                finally:
+                    buf.release()
+                done = i + 1
+        except Exception as exc:  # never fail the step over a cache write
+            failed = specs[done:]
+            log.warning(
+                "kvtier: cannot copy %d chunks out (from %s on): %s",
+                len(failed),
+                failed[0].chunk_hash if failed else "-",
+                exc,
+                exc_info=True,
+            )
+            self._count("save_failed_chunks", len(failed))
+        self._sample("save_copy_seconds", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ stats / shutdown
-    def take_stats(self) -> dict[str, float]:
+    def take_stats(self) -> dict[str, Any]:
         """Counters since the last call, including the store's per-tier counters."""
-        out = dict(self._counters)
+        out: dict[str, Any] = dict(self._counters)
         self._counters = {}
+        for key, samples in self._samples.items():
+            out[key + SAMPLES] = samples
+        self._samples = {}
         now = self.store.stats()
-        prev = self._last_store_stats
+        out.update(store_deltas(self._last_store_stats, now))
         self._last_store_stats = now
-        for name, tier in now.tiers.items():
-            before = prev.tiers.get(name)
-            for field_name in ("hits", "misses", "bytes_read", "puts", "bytes_written"):
-                delta = getattr(tier, field_name) - (getattr(before, field_name) if before else 0)
-                if delta:
-                    out[f"tier.{name}.{field_name}"] = delta
-            errors = sum(tier.errors.values()) - (sum(before.errors.values()) if before else 0)
-            if errors:
-                out[f"tier.{name}.errors"] = errors
-        dropped = now.dropped_writes - prev.dropped_writes
-        if dropped:
-            out["dropped_writes"] = dropped
         return out
 
     def close(self, timeout: float) -> None:

@@ -1,99 +1,250 @@
-"""The connector's CUDA data path: BlockCopier on CUDA tensors laid out as vLLM 0.32 gives them
-to connectors (``[blocks, kv_heads, block_size, 2 * head_size]`` per layer, bf16).
+"""The connector's CUDA data path (kvtier.vllm.cuda_copy) on KV caches laid out exactly as
+vLLM 0.32 allocates them and registers them with connectors: one int8 buffer, per-layer
+logical ``[blocks, kv_heads, block_size, 2 * head_size]`` bf16 views whose strides follow the
+resolved KVCacheLayout. vLLM is not on the GPU machine, so the views come from the vendored
+copy of its allocation code (vllm032_kv.py, checked against vLLM by test_vllm032_fixture.py).
 
-Needs a CUDA GPU and torch, so CI (CPU only) skips it; it runs on the device machine:
-``PYTHONPATH=connector python3 connector/tests/cuda/test_cuda_block_copier.py``. vLLM's CUDA
-build itself is not there, so this covers the copies, not the scheduler wiring.
+Every layout each CUDA backend can be given (FLASH_ATTN / TRITON_ATTN / FLASHINFER on Hopper:
+all six, LBNHC = NHD by default, LBHNC = HND with VLLM_KV_CACHE_LAYOUT=HND; FLEX_ATTENTION:
+LBNHC), both copy modes (one Triton launch; torch's own ops), random bits (NaN patterns too)
+compared as int16: bit-exact round trips, partial scatters, untouched blocks, stream ordering
+without host syncs, the pinned pool. Needs a CUDA GPU and torch, so CI skips it; run on the
+device machine: ``PYTHONPATH=connector python -m pytest connector/tests/cuda -q``.
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import random
 
 import pytest
 
 torch = pytest.importorskip("torch")
-
-from kvtier.vllm.layout import BlockCopier, KVLayout  # noqa: E402
-
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-LAYERS, HEADS, BLOCK, HEAD = 4, 8, 16, 128
-NUM_BLOCKS = 256
+import vllm032_kv as vk  # noqa: E402
+
+from kvtier.vllm import cuda_copy  # noqa: E402
+from kvtier.vllm.copier import BlockCopier  # noqa: E402
+from kvtier.vllm.layout import (  # noqa: E402
+    KVLayout,
+    LayoutError,
+    check_tensors,
+    cuda_kv_layout,
+)
+
+MODES = ["triton", "torch"]
+CASES = [
+    pytest.param(b, lay, id=f"{b}-{lay}{'(default)' if lay == vk.resolved_layout(b) else ''}")
+    for b in vk.BACKEND_LAYOUTS
+    for lay in vk.backend_layouts(b)
+]
+LAYERS, HEADS, BLOCK, HEAD, NUM_BLOCKS = 4, 4, 16, 128, 64
 
 
-def _layout() -> KVLayout:
-    return KVLayout(
-        backend="FLASH_ATTN",
-        variant="NHD",
-        device="cuda",
-        dtype="bfloat16",
-        itemsize=2,
-        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
+def _caches(cache_layout: str, backend: str = "FLASH_ATTN") -> tuple[KVLayout, list[object]]:
+    tensors = vk.allocate_kv_caches(
+        cache_layout,
+        num_layers=LAYERS,
+        num_blocks=NUM_BLOCKS,
         num_kv_heads=HEADS,
-        head_size=HEAD,
         block_size=BLOCK,
-        block_shape=(HEADS, BLOCK, 2 * HEAD),
+        head_size=HEAD,
+        dtype=torch.bfloat16,
+        device="cuda",
     )
+    for t in tensors:  # every bit pattern, NaNs included: compared as int16, never as floats
+        t.view(torch.int16).copy_(
+            torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda")
+        )
+    layout = cuda_kv_layout(
+        backend=backend,
+        cache_layout=cache_layout,
+        layer_view_order=vk.layer_view_order(cache_layout),
+        num_heads=HEADS,
+        num_states=BLOCK,
+        content_elems=2 * HEAD,
+        common={
+            "dtype": "bfloat16",
+            "itemsize": 2,
+            "layer_names": tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
+            "num_kv_heads": HEADS,
+            "head_size": HEAD,
+            "block_size": BLOCK,
+        },
+    )
+    return layout, check_tensors(layout, dict(zip(layout.layer_names, tensors, strict=True)))
 
 
-def _caches(fill: bool) -> list[object]:
-    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
-    make = torch.randn if fill else torch.zeros
-    return [make(shape, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+def _bits(t: object) -> object:
+    return t.view(torch.int16)
 
 
-def test_gather_then_scatter_reproduces_the_blocks_elsewhere() -> None:
-    src, dst = _caches(True), _caches(False)
-    blocks = [5, 77, 3, 200, 42, 9, 128, 255]  # one 128-token chunk, scattered in the pool
-    payload = BlockCopier(_layout(), src).gather(blocks)
-    assert len(payload) == _layout().payload_nbytes(len(blocks))
-    target = [10, 11, 12, 13, 14, 15, 16, 17]
-    BlockCopier(_layout(), dst).scatter(payload, len(blocks), 0, target)
-    torch.cuda.synchronize()
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(s[blocks], d[target])
-        untouched = [b for b in range(NUM_BLOCKS) if b not in target]
-        assert not d[untouched].any()
+def _reference(tensors: list[object], ids: list[int], variant: str) -> bytes:
+    pages = [t[ids] if variant == "HND" else t[ids].permute(0, 2, 1, 3) for t in tensors]
+    return b"".join(p.contiguous().cpu().view(torch.uint8).numpy().tobytes() for p in pages)
 
 
-def test_scatter_of_a_partial_range_writes_only_those_blocks() -> None:
-    src, dst = _caches(True), _caches(False)
-    payload = BlockCopier(_layout(), src).gather([1, 2, 3, 4])
-    BlockCopier(_layout(), dst).scatter(payload, 4, 2, [50, 51])  # blocks 3 and 4 of the chunk
-    torch.cuda.synchronize()
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(s[[3, 4]], d[[50, 51]])
-        assert not d[[49, 52]].any()
+def _assert_moved(
+    src: list[object], ids: list[int], dst: list[object], before: list[object], target: list[int]
+) -> None:
+    keep = [b for b in range(NUM_BLOCKS) if b not in target]
+    for s, d, b in zip(src, dst, before, strict=True):
+        assert torch.equal(_bits(s[ids]), _bits(d[target]))
+        assert torch.equal(_bits(d[keep]), _bits(b[keep]))
 
 
-def copy_rates() -> dict[str, float]:
-    """GB/s of gather (device -> host bytes) and scatter (bytes -> device), 16 blocks x 4 layers."""
-    src, dst = _caches(True), _caches(False)
-    blocks = list(range(0, 32, 2))
-    src_copier, dst_copier = BlockCopier(_layout(), src), BlockCopier(_layout(), dst)
-    payload = src_copier.gather(blocks)
-    out: dict[str, float] = {}
-    for name, fn in (
-        ("gather", lambda: src_copier.gather(blocks)),
-        ("scatter", lambda: dst_copier.scatter(payload, len(blocks), 0, blocks)),
-    ):
-        fn()
-        torch.cuda.synchronize()
-        reps = 50
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        out[name] = reps * len(payload) / (time.perf_counter() - start) / 1e9
-    out["chunk_mib"] = len(payload) / 2**20
-    return out
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("backend", "cache_layout"), CASES)
+def test_round_trip_is_bit_exact(mode: str, backend: str, cache_layout: str) -> None:
+    layout, src = _caches(cache_layout, backend)
+    _, dst = _caches(cache_layout, backend)
+    before = [d.clone() for d in dst]
+    rng = random.Random(f"{backend}{cache_layout}{mode}")
+    ids = rng.sample(range(NUM_BLOCKS), 16)
+    target = rng.sample(range(NUM_BLOCKS), 16)
+    copier = BlockCopier(layout, src, max_blocks=16, cuda_mode=mode)
+    assert copier._cuda.mode == mode
+    with copier.gather_to_host(ids) as buf:
+        payload = bytes(buf.view())
+    assert len(payload) == layout.payload_nbytes(16)
+    assert payload == _reference(src, ids, layout.variant)
+    back = BlockCopier(layout, dst, max_blocks=16, cuda_mode=mode)
+    back.scatter(payload, 16, 0, target)  # no host sync: the current stream waits for it
+    _assert_moved(src, ids, dst, before, target)
 
 
-if __name__ == "__main__":
-    test_gather_then_scatter_reproduces_the_blocks_elsewhere()
-    test_scatter_of_a_partial_range_writes_only_those_blocks()
-    print("cuda block copier: 2 tests passed on", torch.cuda.get_device_name(0))
-    print("copy rates:", {k: round(v, 2) for k, v in copy_rates().items()})
-    sys.exit(0)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cache_layout", ["LBNHC", "LBHNC", "BHLNC"])
+def test_partial_scatter_writes_only_those_blocks(mode: str, cache_layout: str) -> None:
+    layout, src = _caches(cache_layout)
+    _, dst = _caches(cache_layout)
+    before = [d.clone() for d in dst]
+    ids = [9, 2, 40, 33, 17, 5, 60, 1]
+    payload = BlockCopier(layout, src, cuda_mode=mode).gather(ids)
+    BlockCopier(layout, dst, cuda_mode=mode).scatter(payload, 8, 3, [50, 51, 52])
+    _assert_moved(src, ids[3:6], dst, before, [50, 51, 52])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_payload_kind_scatters_the_same(mode: str) -> None:
+    layout, src = _caches("LBNHC")
+    ids = [3, 14, 15, 9, 26, 53]
+    original = [t[ids].clone() for t in src]
+    copier = BlockCopier(layout, src, max_blocks=8, cuda_mode=mode)
+    raw = copier.gather(ids)
+    pinned = copier.host_buffer(len(raw))
+    pinned.view()[:] = raw
+    gathered = copier.gather_to_host(ids)
+    _, other = _caches("LBNHC")
+    foreign = BlockCopier(layout, other, max_blocks=8, cuda_mode=mode).host_buffer(len(raw))
+    foreign.view()[:] = raw
+    kinds = {
+        "bytes": raw,
+        "memoryview": memoryview(raw),
+        "bytearray": memoryview(bytearray(raw)),
+        "pinned HostBuffer": pinned,
+        "view of a pinned slot": pinned.view(),
+        "gathered HostBuffer": gathered,
+        "another copier's HostBuffer": foreign,
+    }
+    free = [b for b in range(NUM_BLOCKS) if b not in ids]
+    for i, (kind, payload) in enumerate(kinds.items()):
+        target = free[6 * i : 6 * i + 6]
+        keep = [b for b in range(NUM_BLOCKS) if b not in target]
+        before = [t[keep].clone() for t in src]
+        copier.scatter(payload, 6, 0, target)  # into the same cache, other blocks
+        for t, o, b in zip(src, original, before, strict=True):
+            assert torch.equal(_bits(t[target]), _bits(o)), kind
+            assert torch.equal(_bits(t[keep]), _bits(b)), kind
+    for buf in (pinned, gathered, foreign):
+        buf.release()
+    with pytest.raises(LayoutError, match="after release"):
+        pinned.view()
+
+
+def test_gather_waits_for_the_current_stream_and_guards_the_blocks() -> None:
+    layout, src = _caches("LBNHC")
+    ids = [4, 8, 15, 16, 23, 42]
+    copier = BlockCopier(layout, src, max_blocks=8)
+    new = [torch.randint_like(_bits(t), -(2**15), 2**15) for t in src]
+    expected = _reference([n.view(torch.bfloat16) for n in new], ids, layout.variant)
+    torch.cuda._sleep(100_000_000)  # the current stream is busy for a while ...
+    for t, n in zip(src, new, strict=True):
+        _bits(t).copy_(n)  # ... then writes the blocks: the gather must see these values
+    buf = copier.gather_to_host(ids)
+    for t in src:
+        t.zero_()  # queued after the gather: must not reach the payload
+    assert bytes(buf.view()) == expected
+    buf.release()
+
+
+def test_scatter_is_visible_to_the_current_stream_without_a_host_sync() -> None:
+    layout, src = _caches("LBHNC")
+    _, dst = _caches("LBHNC")
+    ids, target = [1, 2, 3, 4], [10, 20, 30, 40]
+    payload = BlockCopier(layout, src).gather(ids)
+    back = BlockCopier(layout, dst, max_blocks=4)
+    with torch.cuda.stream(back._cuda.stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream is late ...
+    back.scatter(payload, 4, 0, target)
+    sums = [_bits(d[target]).to(torch.int64).sum() for d in dst]  # ... current stream reads
+    assert [int(s) for s in sums] == [int(_bits(s[ids]).to(torch.int64).sum()) for s in src]
+
+
+def test_pool_is_allocated_once_and_reused() -> None:
+    layout, src = _caches("LBNHC")
+    _, dst = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=16, pinned_buffers=2)
+    back = BlockCopier(layout, dst, max_blocks=16, pinned_buffers=2)
+    pool = copier._cuda.pool
+    assert pool.slot_bytes == layout.payload_nbytes(16) and pool.slots == 2
+    rng = random.Random(7)
+    for _ in range(20):
+        n = rng.randint(1, 16)
+        ids = rng.sample(range(NUM_BLOCKS), n)
+        before = [d.clone() for d in dst]
+        with copier.gather_to_host(ids) as buf:
+            back.scatter(buf, n, 0, ids)
+        _assert_moved(src, ids, dst, before, ids)
+    assert copier._cuda.pool is pool and back._cuda.pool.slots == 2
+    # Without max_blocks the pool is sized by the first payload and grows once for a larger.
+    lazy = BlockCopier(layout, src)
+    lazy.gather([1])
+    small = lazy._cuda.pool
+    assert lazy.gather(list(range(16))) == _reference(src, list(range(16)), layout.variant)
+    assert lazy._cuda.pool is not small and lazy._cuda.pool.slot_bytes == pool.slot_bytes
+
+
+def test_an_exhausted_pool_fails_the_copy_instead_of_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cuda_copy, "POOL_WAIT_SECS", 0.2)
+    layout, src = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=4, pinned_buffers=2)
+    held = [copier.gather_to_host([1, 2]), copier.gather_to_host([3, 4])]
+    with pytest.raises(LayoutError, match="pinned buffers"):
+        copier.gather_to_host([5, 6])
+    held[0].release()
+    with copier.gather_to_host([5, 6]) as buf:
+        assert bytes(buf.view()) == _reference(src, [5, 6], layout.variant)
+    held[1].release()
+
+
+def test_gather_iter_streams_chunks_in_order() -> None:
+    layout, src = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=16, pinned_buffers=3)
+    rng = random.Random(11)
+    chunks = [rng.sample(range(NUM_BLOCKS), rng.randint(1, 16)) for _ in range(9)]
+    seen = []
+    for i, buf in copier.gather_iter(chunks):
+        assert bytes(buf.view()) == _reference(src, chunks[i], layout.variant)
+        buf.release()
+        seen.append(i)
+    assert seen == list(range(9))
+    it = copier.gather_iter(chunks)
+    _, first = next(it)
+    first.release()
+    it.close()  # stopped early: the queued slots come back
+    held = [copier.host_buffer(16) for _ in range(3)]
+    for buf in held:
+        buf.release()

@@ -1,0 +1,424 @@
+"""CUDA data path of BlockCopier: paged KV blocks <-> pooled pinned host buffers.
+
+Imported only when vLLM's KV cache is on a CUDA device (the CPU build never imports it).
+
+- gather (a save), on the copier's own CUDA stream, ordered after the work already queued on
+  the current stream: (1) one launch copies every layer's pages of the chunk into a device
+  staging buffer in payload order (Triton; ``mode="torch"``: one ``index_select`` per layer),
+  (2) one DMA copies the staging buffer into a slot of the pinned pool. The current stream
+  waits for (1) only (a later kernel may then overwrite the blocks); the host waits for (2)
+  when it reads the slot (``HostBuffer.view()``).
+- scatter (a load), on the same stream, after the current stream's work: one DMA from a pinned
+  slot (a pageable payload is first copied into one) into staging, one launch into the pages;
+  the current stream waits for it (the forward pass reads the blocks after), the host does not.
+
+The pinned pool has `slots` slots of one chunk payload each, allocated once (sized from the
+chunk, or from the first payload and grown when a larger one comes): nothing is pinned per
+request. Slot reuse is fenced by CUDA events: a slot goes back to a caller only once the device
+is done with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.vllm.copier import HostBuffer, Payload
+from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
+
+log = logging.getLogger(__name__)
+
+_WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+#: How long an exhausted pool waits for a slot to come back before the copy fails (a miss).
+POOL_WAIT_SECS = 30.0
+
+
+def _pinned_host_memory(nbytes: int) -> tuple[Any, str, Any]:
+    """A CPU uint8 tensor of exactly `nbytes` page-locked bytes: page-aligned anonymous memory
+    registered with cudaHostRegister (torch's pinned allocator would round the size up to a
+    power of two), or torch's pinned allocator where registering fails."""
+    try:
+        cudart = torch.cuda.cudart()
+        mem = mmap.mmap(-1, nbytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            host = torch.frombuffer(mem, dtype=torch.uint8)
+        err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
+        if int(err) == 0:
+            return host, "cudaHostRegister", mem
+        log.debug("kvtier: cudaHostRegister failed (%s); using torch's pinned allocator", err)
+    except (AttributeError, RuntimeError, OSError) as exc:
+        log.debug("kvtier: cudaHostRegister unavailable (%s); using torch's pinned allocator", exc)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
+
+
+class PinnedPool:
+    """`slots` pinned host buffers of `slot_bytes` each, in one allocation."""
+
+    def __init__(self, slot_bytes: int, slots: int) -> None:
+        if slots < 1 or slot_bytes < 1:
+            raise LayoutError(f"a pinned pool needs slots >= 1 and bytes >= 1 ({slots=})")
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.host, self.pinned_via, self._mem = _pinned_host_memory(slot_bytes * slots)
+        self.base = int(self.host.data_ptr())
+        self._tensors = [self.host[k * slot_bytes : (k + 1) * slot_bytes] for k in range(slots)]
+        self._views = [memoryview(t.numpy()).cast("B") for t in self._tensors]
+        self._free = list(range(slots))
+        #: One event per slot, recorded after each device operation on the slot (in stream
+        #: order, so the last record covers the earlier ones); `_used`: recorded at least once.
+        self._events = [torch.cuda.Event() for _ in range(slots)]
+        self._used = [False] * slots
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def tensor(self, slot: int, nbytes: int, offset: int = 0) -> Any:
+        return self._tensors[slot][offset : offset + nbytes]
+
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        return self._views[slot][:nbytes]
+
+    def acquire(self, timeout: float | None = None) -> int:
+        timeout = POOL_WAIT_SECS if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                raise LayoutError(
+                    f"all {self.slots} pinned buffers of {self.slot_bytes} bytes are in use "
+                    f"after {timeout} s: release HostBuffers once done with them"
+                )
+            slot = self._free.pop(0)
+        self.wait(slot)
+        return slot
+
+    def wait(self, slot: int) -> None:
+        if self._used[slot]:
+            self._events[slot].synchronize()
+
+    def record(self, slot: int, stream: Any) -> None:
+        """The device operation just queued on `stream` uses `slot`."""
+        self._events[slot].record(stream)
+        self._used[slot] = True
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    def slot_at(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(slot, offset) of a buffer lying inside one slot, else None."""
+        offset = address - self.base
+        if offset < 0 or offset + nbytes > self.slot_bytes * self.slots:
+            return None
+        slot, within = divmod(offset, self.slot_bytes)
+        if within + nbytes > self.slot_bytes:
+            return None
+        return slot, within
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for slot in range(self.slots):
+            self.wait(slot)
+        if self.pinned_via == "cudaHostRegister":
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to protect
+            self.close()
+
+
+class PinnedHostBuffer(HostBuffer):
+    """One slot of a PinnedPool, lent until `release()`."""
+
+    def __init__(self, pool: PinnedPool, slot: int, nbytes: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.tensor = pool.tensor(slot, nbytes)
+        super().__init__(pool.view(slot, nbytes), on_release=self._give_back)
+
+    def wait(self) -> None:
+        self.pool.wait(self.slot)
+
+    def _give_back(self) -> None:
+        self.pool.release(self.slot)
+
+
+class _IdsRing:
+    """Block ids to the device without a host sync: a ring of pinned + device int64 rows,
+    each reused only once the copy that read it has run."""
+
+    def __init__(self, capacity: int, device: Any, entries: int = 8) -> None:
+        self.capacity = capacity
+        self.host = torch.empty((entries, capacity), dtype=torch.int64, pin_memory=True)
+        self._host_np = self.host.numpy()
+        self.dev = torch.empty((entries, capacity), dtype=torch.int64, device=device)
+        self.events = [torch.cuda.Event() for _ in range(entries)]
+        self.used = [False] * entries
+        self.next = 0
+
+    def put(self, ids: Sequence[int], stream: Any) -> Any:
+        """The ids on the device (copy queued on `stream`, the current stream)."""
+        k = self.next
+        self.next = (k + 1) % len(self.events)
+        if self.used[k]:
+            self.events[k].synchronize()
+        n = len(ids)
+        self._host_np[k, :n] = ids
+        dev = self.dev[k, :n]
+        dev.copy_(self.host[k, :n], non_blocking=True)
+        self.events[k].record(stream)
+        self.used[k] = True
+        return dev
+
+
+class CudaBlockCopier:
+    """The CUDA half of BlockCopier (same payload format: ``[layer][block][page bytes]``, each
+    page in the KV cache's memory order)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        tensors: Sequence[Any],
+        *,
+        max_blocks: int | None = None,
+        pinned_buffers: int = 4,
+        mode: str = "auto",
+    ) -> None:
+        self.layout = layout
+        self.tensors = list(tensors)
+        t0 = self.tensors[0]
+        self.device = t0.device
+        storage = t0.untyped_storage()
+        self.geometry: PageGeometry = page_geometry(
+            tuple(t0.shape),
+            [tuple(t.stride()) for t in self.tensors],
+            [int(t.data_ptr()) for t in self.tensors],
+            t0.element_size(),
+            int(storage.data_ptr()),
+        )
+        g = self.geometry
+        if g.page_words * g.word != layout.block_nbytes:
+            raise LayoutError(
+                f"KV cache pages hold {g.page_words * g.word} bytes, expected "
+                f"{layout.block_nbytes} ({layout.kv_layout()})"
+            )
+        word_dtype = _WORD_DTYPES[g.word]
+        # The first layer's whole storage as words: the kernels address every layer from it.
+        self._kv_words = torch.empty(0, dtype=word_dtype, device=self.device).set_(
+            storage, 0, (1,), (1,)
+        )
+        self._word_dtype = word_dtype
+        self._layer_offsets = torch.tensor(g.layer_offsets, dtype=torch.int64, device=self.device)
+        if mode == "auto":
+            mode = "triton" if _have_triton() else "torch"
+        if mode not in ("triton", "torch"):
+            raise LayoutError(f"unknown CUDA copy mode {mode!r} (triton, torch)")
+        self.mode = mode
+        self.stream = torch.cuda.Stream(device=self.device)
+        # Reused events (recording one again is fine once its waits are queued).
+        self._ev_cur = torch.cuda.Event()  # the current stream's work so far
+        self._ev_read = torch.cuda.Event()  # a gather's kernel has read the blocks
+        self._ev_written = torch.cuda.Event()  # a scatter's kernel has written them
+        self._lock = threading.RLock()
+        self._slots = max(2, pinned_buffers)
+        self._pool: PinnedPool | None = None
+        self._staging: Any = None
+        self._ids: _IdsRing | None = None
+        if max_blocks:
+            self._ensure_capacity(layout.payload_nbytes(max_blocks))
+
+    # ------------------------------------------------------------------ buffers
+    @property
+    def pool(self) -> PinnedPool | None:
+        return self._pool
+
+    def _ensure_capacity(self, nbytes: int) -> PinnedPool:
+        """The pool (and device staging buffer) for payloads of `nbytes`; grown, never per
+        request: a larger payload than any before replaces them once."""
+        with self._lock:
+            pool = self._pool
+            if pool is not None and nbytes <= pool.slot_bytes:
+                return pool
+            slot_bytes = max(nbytes, pool.slot_bytes if pool else 0)
+            if pool is not None:
+                self.stream.synchronize()
+                log.info(
+                    "kvtier: payload of %d bytes exceeds the pinned slots (%d bytes): pool "
+                    "re-allocated (pass max_blocks to size it once)",
+                    nbytes,
+                    pool.slot_bytes,
+                )
+            new = PinnedPool(slot_bytes, self._slots)
+            self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+            blocks = slot_bytes // (self.layout.num_layers * self.layout.block_nbytes)
+            self._ids = _IdsRing(max(1, blocks), self.device)
+            self._pool = new
+            return new
+
+    def host_buffer(self, nbytes: int) -> PinnedHostBuffer:
+        pool = self._ensure_capacity(nbytes)
+        return PinnedHostBuffer(pool, pool.acquire(), nbytes)
+
+    # ------------------------------------------------------------------ gather
+    def gather_to_host(self, block_ids: Sequence[int]) -> PinnedHostBuffer:
+        n = len(block_ids)
+        nbytes = self.layout.payload_nbytes(n)
+        buf = self.host_buffer(nbytes)
+        try:
+            with self._lock:
+                cur = torch.cuda.current_stream(self.device)
+                s = self.stream
+                self._ev_cur.record(cur)
+                s.wait_event(self._ev_cur)
+                with torch.cuda.stream(s):
+                    assert self._ids is not None
+                    ids = self._ids.put(block_ids, s)
+                    self._copy_pages(ids, n, n, 0, to_payload=True)
+                    self._ev_read.record(s)
+                    buf.tensor.copy_(self._staging[:nbytes], non_blocking=True)
+                    buf.pool.record(buf.slot, s)
+                cur.wait_event(self._ev_read)
+        except BaseException:
+            buf.release()
+            raise
+        return buf
+
+    def gather_iter(
+        self, block_id_lists: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[int, PinnedHostBuffer]]:
+        ahead = max(1, self._slots - 1)
+        queued: deque[tuple[int, PinnedHostBuffer]] = deque()
+        try:
+            for i, ids in enumerate(block_id_lists):
+                queued.append((i, self.gather_to_host(ids)))
+                if len(queued) >= ahead:
+                    yield queued.popleft()
+            while queued:
+                yield queued.popleft()
+        finally:  # the caller stopped early: give the queued slots back
+            for _, buf in queued:
+                buf.release()
+
+    def gather_bytes(self, block_ids: Sequence[int]) -> bytes:
+        with self.gather_to_host(block_ids) as buf:
+            return bytes(buf.view())
+
+    # ------------------------------------------------------------------ scatter
+    def scatter_many(self, items: Sequence[tuple[Payload, int, int, Sequence[int]]]) -> None:
+        if not items:
+            return
+        for payload, stored, first, block_ids in items:
+            expected = self.layout.payload_nbytes(stored)
+            if len(payload) != expected:
+                raise LayoutError(f"payload has {len(payload)} bytes, expected {expected}")
+            if first < 0 or first + len(block_ids) > stored:
+                raise LayoutError(
+                    f"blocks {first}..{first + len(block_ids)} of a payload of {stored} blocks"
+                )
+        with self._lock:
+            cur = torch.cuda.current_stream(self.device)
+            s = self.stream
+            self._ev_cur.record(cur)
+            s.wait_event(self._ev_cur)
+            for payload, stored, first, block_ids in items:
+                nbytes = self.layout.payload_nbytes(stored)
+                src, pool, slot, bounce = self._pinned_source(payload, nbytes)
+                try:
+                    with torch.cuda.stream(s):
+                        assert self._ids is not None
+                        ids = self._ids.put(block_ids, s)
+                        self._staging[:nbytes].copy_(src, non_blocking=True)
+                        pool.record(slot, s)
+                        self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
+                finally:
+                    if bounce:
+                        pool.release(slot)
+            self._ev_written.record(s)
+            cur.wait_event(self._ev_written)
+
+    def _pinned_source(self, payload: Payload, nbytes: int) -> tuple[Any, PinnedPool, int, bool]:
+        """(pinned uint8 tensor of the payload, its pool, slot, whether the slot is ours)."""
+        pool = self._ensure_capacity(nbytes)
+        if isinstance(payload, PinnedHostBuffer):  # ours or another copier's: pinned either way
+            payload.wait()
+            return payload.tensor, payload.pool, payload.slot, False
+        data = payload.view() if isinstance(payload, HostBuffer) else payload
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer, only read
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        where = pool.slot_at(int(src.data_ptr()), nbytes)
+        if where is not None:  # a view of one of our slots: no bounce
+            slot, offset = where
+            pool.wait(slot)
+            return pool.tensor(slot, nbytes, offset), pool, slot, False
+        slot = pool.acquire()
+        dst = pool.tensor(slot, nbytes)
+        dst.copy_(src)
+        return dst, pool, slot, True
+
+    # ------------------------------------------------------------------ the copy itself
+    def _copy_pages(
+        self, ids: Any, num_ids: int, payload_blocks: int, payload_first: int, *, to_payload: bool
+    ) -> None:
+        """Pages `ids` of every layer <-> payload blocks ``payload_first ..`` of the staging
+        buffer holding `payload_blocks` blocks per layer; on the current stream."""
+        g = self.geometry
+        if num_ids == 0:
+            return
+        if self.mode == "triton":
+            from kvtier.vllm import _triton_copy
+
+            _triton_copy.launch(
+                self._kv_words,
+                self._staging.view(self._word_dtype),
+                self._layer_offsets,
+                ids,
+                num_layers=self.layout.num_layers,
+                num_ids=num_ids,
+                payload_blocks=payload_blocks,
+                payload_first=payload_first,
+                geometry=g,
+                to_payload=to_payload,
+            )
+            return
+        t0 = self.tensors[0]
+        perm = (0, *g.inner_order)
+        sizes = [int(t0.shape[d]) for d in g.inner_order]
+        nbytes = self.layout.payload_nbytes(payload_blocks)
+        staged = self._staging[:nbytes].view(t0.dtype)
+        staged = staged.view(self.layout.num_layers, payload_blocks, *sizes)
+        for i, t in enumerate(self.tensors):
+            pages = t.permute(*perm)
+            if to_payload:
+                torch.index_select(pages, 0, ids, out=staged[i])
+            else:
+                pages.index_copy_(0, ids, staged[i, payload_first : payload_first + num_ids])
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            self.stream.synchronize()
+            if self._pool is not None:
+                self._pool.close()
+
+
+def _have_triton() -> bool:
+    try:
+        from kvtier.vllm import _triton_copy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["CudaBlockCopier", "PinnedHostBuffer", "PinnedPool"]

@@ -1,0 +1,39 @@
+"""What the scheduler side tells the workers to do in one step: loads and saves of chunks.
+
+Plain frozen dataclasses (no vLLM, no torch): they travel inside vLLM's connector metadata from
+the scheduler process to the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`."""
+
+    req_id: str
+    chunk_hash: str
+    stored_blocks: int
+    first: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Copy `block_ids` (all layers) and store them under `chunk_hash`."""
+
+    req_id: str
+    chunk_hash: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """What the workers do in one step (sent inside the connector metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

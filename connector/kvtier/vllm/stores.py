@@ -1,0 +1,86 @@
+"""The connector's stores, opened at start with the remote tier checked once.
+
+A remote tier that cannot be used at start (wrong credentials, endpoint down or hung, missing
+bucket) is, by default, logged once with its cause and fix and served without: its circuit
+breaker starts open, and a background probe brings it back when it answers, with no restart.
+With ``remote_required: true`` the connector refuses to start instead (vLLM exits with the
+message). A configuration the S3 client cannot even be built from (a profile that does not
+exist) is treated the same way; a file that does not validate never gets here (load_config
+refuses it).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvtier.config import ConfigError, KvtierConfig
+from kvtier.store import TieredStore
+from kvtier.tiers.base import TierError
+
+log = logging.getLogger("kvtier.vllm")
+
+#: Threads that run remote lookups beside vLLM's scheduler (each lookup: a few requests).
+LOOKUP_THREADS = 4
+
+
+class RemoteTierUnavailable(RuntimeError):
+    """The remote tier cannot be used at start and the config says it is required."""
+
+
+def open_store(cfg: KvtierConfig, fingerprint: str, who: str) -> TieredStore | None:
+    """The store of ``cfg`` (None when it has no tier left to use); ``who`` names the process
+    side in messages ("scheduler", "worker tp0")."""
+    try:
+        store = TieredStore.from_config(cfg, fingerprint)
+    except ConfigError as exc:
+        if not cfg.remote_url:
+            raise
+        _unavailable(cfg, who, "config", str(exc))
+        without = cfg.model_copy(update={"remote_url": None})
+        if not (without.local_cpu and without.cpu_bytes) and not without.local_disk:
+            return None
+        return TieredStore.from_config(without, fingerprint)
+    remote = store.remote_tier
+    if remote is not None:
+        try:
+            remote.probe()
+        except TierError as exc:
+            from kvtier.tiers.s3 import fix_for
+
+            fix = fix_for(exc.cause, cfg)
+            _unavailable(cfg, who, exc.cause, f"{exc}" + (f"; {fix}" if fix else ""))
+            breaker = getattr(remote, "breaker", None)
+            if breaker is not None:
+                breaker.trip(exc.cause, "it failed its check at start")
+    return store
+
+
+def _unavailable(cfg: KvtierConfig, who: str, cause: str, detail: str) -> None:
+    message = f"the S3 tier {cfg.remote_url} of {cfg.source} cannot be used ({cause}): {detail}"
+    if cfg.remote_required:
+        raise RemoteTierUnavailable(
+            f"kvtier ({who}): {message}. remote_required is true: refusing to start "
+            "(set it to false to serve without the S3 tier until it answers)"
+        )
+    log.warning(
+        "kvtier (%s): %s. Serving without it (remote_required: false); it is probed again "
+        "in the background",
+        who,
+        message,
+    )
+
+
+class RemoteLookups:
+    """Remote lookups of the scheduler side, run in threads: ``submit`` returns a future."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self._store = store
+        self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
+
+    def submit(self, hashes: Any) -> Future[int]:
+        return self._pool.submit(self._store.lookup_remote, list(hashes))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
