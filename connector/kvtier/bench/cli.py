@@ -10,6 +10,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvtier.bench.ttft",  # bench ttft (vLLM servers side by side)
     "kvtier.bench.longdoc",  # bench longdoc (LMCache's long_doc_qa against a running server)
     "kvtier.bench.compare",  # bench compare (experiments A-D, scenarios side by side)
+    "kvtier.bench.soak",  # bench soak (a mixed workload for a fixed time, resources watched)
 )
 
 

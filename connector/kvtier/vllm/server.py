@@ -90,6 +90,11 @@ class VllmServer:
     _log: TextIO | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server's main process (its engine and workers are children of it)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -161,6 +166,17 @@ class VllmServer:
                 proc.wait(timeout=timeout)
         if proc is not None:
             _reap_group(proc.pid)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole server (API process, engine, workers) at once: a crash, not a stop.
+        Nothing gets to flush; `start` brings it up again."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _reap_group(proc.pid)
+            proc.wait(timeout=30)
         if self._log is not None:
             self._log.close()
             self._log = None

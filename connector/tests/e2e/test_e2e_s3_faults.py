@@ -3,11 +3,17 @@ kvtier).
 
 - objects deleted from the bucket: the next request is a clean miss with the same tokens;
 - one object corrupted: detected, recomputed, same tokens; the negative control (checksum
-  verification off, a test-only setting) shows the same corruption changes the output.
+  verification off, a test-only setting) shows the same corruption changes the output;
+- one object replaced by random bytes, cut short, or by a chunk of another model, another
+  chunk size, another format version or another chunk: each detected (counted under its cause
+  in /metrics), recomputed, same tokens.
 """
 
 from __future__ import annotations
 
+import os
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -100,3 +106,57 @@ def test_negative_control_without_verification_output_changes(
     assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(CORRUPTED), unsafe.log_tail()
     assert out.token_ids != corrupted["cold"].token_ids
     unsafe.stop()
+
+
+def _other_layout(blob: bytes) -> bytes:
+    return blob[:8] + bytes(16) + blob[24:]  # another model's layout digest
+
+
+def _other_chunk_size(blob: bytes) -> bytes:
+    # What a writer with twice the chunk size stores: its own layout digest, twice the tokens
+    # and payload.
+    tokens, length = struct.unpack_from("<IQ", blob, 40)
+    header = bytearray(blob[:HEADER_SIZE])
+    header[8:24] = bytes(range(16))
+    struct.pack_into("<IQ", header, 40, 2 * tokens, 2 * length)
+    payload = blob[HEADER_SIZE:]
+    return bytes(header) + payload + payload
+
+
+def _other_version(blob: bytes) -> bytes:
+    return blob[:4] + struct.pack("<H", 99) + blob[6:]
+
+
+def _other_chunk(blob: bytes) -> bytes:
+    return blob[:24] + bytes(16) + blob[40:]  # a chunk copied under another chunk's key
+
+
+FOREIGN: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
+    "random bytes": ("bad_magic", lambda blob: os.urandom(len(blob))),
+    "truncated": ("truncated", lambda blob: blob[: HEADER_SIZE + (len(blob) - HEADER_SIZE) // 2]),
+    "another model": ("layout_mismatch", _other_layout),
+    "another chunk size": ("layout_mismatch", _other_chunk_size),
+    "another format version": ("version", _other_version),
+    "another chunk's object": ("key_mismatch", _other_chunk),
+}
+
+
+@pytest.mark.parametrize("kind", list(FOREIGN))
+def test_foreign_and_damaged_objects_are_detected_and_recomputed(
+    server: VllmServer, s3_target: S3Target, kind: str
+) -> None:
+    cause, damage = FOREIGN[kind]
+    doc = prompt(4_000, seed=300 + list(FOREIGN).index(kind))
+    s3_target.clear()
+    cold = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    objs = s3_target.wait_for_objects(len(doc) // CHUNK)
+    middle = chunk_hashes(doc, CHUNK)[MIDDLE]
+    key = next(k for k in objs if k.endswith("/" + middle))
+    client = s3_target.client()
+    original = client.get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_target.bucket, Key=key, Body=damage(original))
+    c = Counters(server)
+    out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:tier_errors_total", tier="s3", cause=cause) >= 1, server.log_tail()
+    assert c.delta("kvtier:loaded_tokens_total") == MIDDLE * CHUNK
+    assert out.token_ids == cold.token_ids

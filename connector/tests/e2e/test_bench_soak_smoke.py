@@ -1,0 +1,51 @@
+"""`kvtier bench soak`, shortened to ~40 s (the full run is by hand: docs/reliability.md): a
+real vLLM server with kvtier's CPU, disk and S3 tiers under experiment C's mixed load serves
+every request, its descriptors and S3 connections do not grow, the bucket holds the chunks it
+saved, and the JSON, CSV and PNG are written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _e2e import S3Target, Servers
+
+from kvtier.cli import main
+
+NAMESPACE = "kvtier-soak"
+
+
+def test_a_short_soak_serves_everything_and_grows_nothing(
+    servers: Servers, s3_target: S3Target, scratch: Path, monkeypatch: object
+) -> None:
+    tiers = s3_target.kvtier(
+        local_cpu=True,
+        max_local_cpu_size=0.25,
+        local_disk=str(scratch / "disk"),
+        max_local_disk_size=0.5,
+        request_namespaces=[NAMESPACE],
+    )
+    srv = servers.make("soak", tiers, env=s3_target.env)
+    config = scratch / "kvtier.yaml"
+    import yaml
+
+    config.write_text(yaml.safe_dump(tiers))
+    for key, value in s3_target.env.items():
+        monkeypatch.setenv(key, value)  # type: ignore[attr-defined]
+    out = scratch / "soak.json"
+    status = main(
+        ["bench", "soak", "--base-url", srv.base_url, "--model", srv.served_model_name,
+         "--duration", "40", "--window", "10", "--pid", str(srv.pid), "--config", str(config),
+         "--namespace", NAMESPACE, "--json", str(out)]
+    )  # fmt: skip
+    srv.stop()
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert status == 0 and s["failed"] == 0 and s["requests"] >= 20, s
+    assert len(report["windows"]) >= 4
+    assert s["fds_end"] <= s["fds_start"] + 32, s
+    assert s["s3_connections_end"] <= 64, s
+    # Every chunk saved and not dropped is one object under the soak's namespace.
+    kept = s["chunks_saved"] - s["writes_dropped"]
+    assert kept > 0 and 0.9 * kept <= s["bucket_objects"] <= s["chunks_saved"], s
+    assert out.with_suffix(".csv").exists() and out.with_suffix(".png").stat().st_size > 0
