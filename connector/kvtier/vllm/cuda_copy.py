@@ -20,9 +20,7 @@ is done with it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import threading
 import warnings
 from collections import deque
@@ -33,123 +31,11 @@ import torch
 
 from kvtier.vllm.copier import HostBuffer, Payload
 from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
+from kvtier.vllm.pinned import PinnedHostBuffer, PinnedPool
 
 log = logging.getLogger(__name__)
 
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
-#: How long an exhausted pool waits for a slot to come back before the copy fails (a miss).
-POOL_WAIT_SECS = 30.0
-
-
-def _pinned_host_memory(nbytes: int) -> tuple[Any, str, Any]:
-    """A CPU uint8 tensor of exactly `nbytes` page-locked bytes: page-aligned anonymous memory
-    registered with cudaHostRegister (torch's pinned allocator would round the size up to a
-    power of two), or torch's pinned allocator where registering fails."""
-    try:
-        cudart = torch.cuda.cudart()
-        mem = mmap.mmap(-1, nbytes)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            host = torch.frombuffer(mem, dtype=torch.uint8)
-        err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
-        if int(err) == 0:
-            return host, "cudaHostRegister", mem
-        log.debug("kvtier: cudaHostRegister failed (%s); using torch's pinned allocator", err)
-    except (AttributeError, RuntimeError, OSError) as exc:
-        log.debug("kvtier: cudaHostRegister unavailable (%s); using torch's pinned allocator", exc)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
-
-
-class PinnedPool:
-    """`slots` pinned host buffers of `slot_bytes` each, in one allocation."""
-
-    def __init__(self, slot_bytes: int, slots: int) -> None:
-        if slots < 1 or slot_bytes < 1:
-            raise LayoutError(f"a pinned pool needs slots >= 1 and bytes >= 1 ({slots=})")
-        self.slot_bytes = slot_bytes
-        self.slots = slots
-        self.host, self.pinned_via, self._mem = _pinned_host_memory(slot_bytes * slots)
-        self.base = int(self.host.data_ptr())
-        self._tensors = [self.host[k * slot_bytes : (k + 1) * slot_bytes] for k in range(slots)]
-        self._views = [memoryview(t.numpy()).cast("B") for t in self._tensors]
-        self._free = list(range(slots))
-        #: One event per slot, recorded after each device operation on the slot (in stream
-        #: order, so the last record covers the earlier ones); `_used`: recorded at least once.
-        self._events = [torch.cuda.Event() for _ in range(slots)]
-        self._used = [False] * slots
-        self._cond = threading.Condition()
-        self._closed = False
-
-    def tensor(self, slot: int, nbytes: int, offset: int = 0) -> Any:
-        return self._tensors[slot][offset : offset + nbytes]
-
-    def view(self, slot: int, nbytes: int) -> memoryview:
-        return self._views[slot][:nbytes]
-
-    def acquire(self, timeout: float | None = None) -> int:
-        timeout = POOL_WAIT_SECS if timeout is None else timeout
-        with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                raise LayoutError(
-                    f"all {self.slots} pinned buffers of {self.slot_bytes} bytes are in use "
-                    f"after {timeout} s: release HostBuffers once done with them"
-                )
-            slot = self._free.pop(0)
-        self.wait(slot)
-        return slot
-
-    def wait(self, slot: int) -> None:
-        if self._used[slot]:
-            self._events[slot].synchronize()
-
-    def record(self, slot: int, stream: Any) -> None:
-        """The device operation just queued on `stream` uses `slot`."""
-        self._events[slot].record(stream)
-        self._used[slot] = True
-
-    def release(self, slot: int) -> None:
-        with self._cond:
-            self._free.append(slot)
-            self._cond.notify()
-
-    def slot_at(self, address: int, nbytes: int) -> tuple[int, int] | None:
-        """(slot, offset) of a buffer lying inside one slot, else None."""
-        offset = address - self.base
-        if offset < 0 or offset + nbytes > self.slot_bytes * self.slots:
-            return None
-        slot, within = divmod(offset, self.slot_bytes)
-        if within + nbytes > self.slot_bytes:
-            return None
-        return slot, within
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for slot in range(self.slots):
-            self.wait(slot)
-        if self.pinned_via == "cudaHostRegister":
-            torch.cuda.cudart().cudaHostUnregister(self.base)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to protect
-            self.close()
-
-
-class PinnedHostBuffer(HostBuffer):
-    """One slot of a PinnedPool, lent until `release()`."""
-
-    def __init__(self, pool: PinnedPool, slot: int, nbytes: int) -> None:
-        self.pool = pool
-        self.slot = slot
-        self.tensor = pool.tensor(slot, nbytes)
-        super().__init__(pool.view(slot, nbytes), on_release=self._give_back)
-
-    def wait(self) -> None:
-        self.pool.wait(self.slot)
-
-    def _give_back(self) -> None:
-        self.pool.release(self.slot)
 
 
 class _IdsRing:

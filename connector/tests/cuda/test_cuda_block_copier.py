@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import vllm032_kv as vk  # noqa: E402
 
-from kvtier.vllm import cuda_copy  # noqa: E402
+from kvtier.vllm import pinned  # noqa: E402
 from kvtier.vllm.copier import BlockCopier  # noqa: E402
 from kvtier.vllm.layout import (  # noqa: E402
     KVLayout,
@@ -218,7 +218,7 @@ def test_pool_is_allocated_once_and_reused() -> None:
 def test_an_exhausted_pool_fails_the_copy_instead_of_allocating(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cuda_copy, "POOL_WAIT_SECS", 0.2)
+    monkeypatch.setattr(pinned, "POOL_WAIT_SECS", 0.2)
     layout, src = _caches("LBNHC")
     copier = BlockCopier(layout, src, max_blocks=4, pinned_buffers=2)
     held = [copier.gather_to_host([1, 2]), copier.gather_to_host([3, 4])]

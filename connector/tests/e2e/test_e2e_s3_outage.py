@@ -40,6 +40,11 @@ OUTAGE = {
     "remote_retry_secs": 1.0,
     "blocking_timeout_secs": 5.0,
 }
+#: The negative control, by hand (docs/reliability.md): KVTIER_TEST_UNPROTECTED=1 takes the
+#: protections away (the scheduler waits for every lookup, the breaker never opens), and the
+#: black-hole test must then fail.
+if os.environ.get("KVTIER_TEST_UNPROTECTED"):
+    OUTAGE |= {"lookup_timeout_secs": 60.0, "remote_failure_threshold": 1_000_000}
 DOC = 2048
 #: Slower than healthy by at most this (s). Without the protections a black hole cost 10-41 s.
 BOUND = 2.0
