@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.verify.fleet_cli",  # verify-fleet (one host computes, the others load from Ceph)
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
     "kvtier.plan.cli",  # plan (tier sizes -> hit rate, TTFT, RGW load)
+    "kvtier.explain.cli",  # explain (where prompts stop sharing a prefix; what the cache holds)
 )
 
 
