@@ -78,7 +78,7 @@ def _ttft(mix: RequestMix, setup: Setup, speeds: Speeds, basis: str) -> dict[str
             t: None if s is None else 1e6 * (prefill - s) for t, s in per_tier.items()
         },
         "untimed_tiers": [t for t, s in per_tier.items() if s is None],
-        "sources": speeds.sources,
+        "sources": [s for s in speeds.sources if s.split(":")[0] in ("prefill", *per_tier)],
     }
 
 
