@@ -88,6 +88,22 @@ def _mix_dict(mix: RequestMix) -> dict[str, Any]:
     return out
 
 
+def _tier_rows(
+    setup: Setup, analytic: Analytic, estimate: RequestMix, sim: SimResult | None
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "tier": tier,
+            "gib": setup.sizes_gib[tier],
+            "chunks_per_rank": cap,
+            "conversations": analytic.conversations_held(cap),
+            "hit_rate_analytic": estimate.hit_rate(tier),
+            "hit_rate_simulated": sim.mix.hit_rate(tier) if sim else None,
+        }
+        for tier, cap in setup.capacity_chunks().items()
+    ]
+
+
 def build(
     setup: Setup, w: Workload, speeds: Speeds, sim_requests: int = 10_000, seed: int = 0
 ) -> dict[str, Any]:
@@ -99,17 +115,6 @@ def build(
     if sim_requests > 0 and caps:
         sim = simulate(w, caps, setup.chunk_size, setup.block_size, sim_requests, seed)
     obj = shape.object_bytes(setup.chunk_size)
-    tiers = [
-        {
-            "tier": tier,
-            "gib": setup.sizes_gib[tier],
-            "chunks_per_rank": cap,
-            "conversations": analytic.conversations_held(cap),
-            "hit_rate_analytic": estimate.hit_rate(tier),
-            "hit_rate_simulated": sim.mix.hit_rate(tier) if sim else None,
-        }
-        for tier, cap in caps.items()
-    ]
     diffs = []
     if sim:
         diffs = [abs(estimate.hit_rate(t) - sim.mix.hit_rate(t)) for t in caps]
@@ -134,7 +139,7 @@ def build(
             "working_set_gib": analytic.working_set() * obj * shape.tp_size / _GIB,
         },
         "hosts": setup.hosts,
-        "tiers": tiers,
+        "tiers": _tier_rows(setup, analytic, estimate, sim),
         "hit_rate_analytic": estimate.hit_rate(),
         "hit_rate_simulated": sim.mix.hit_rate() if sim else None,
         "largest_difference_points": 100 * max(diffs) if diffs else None,
