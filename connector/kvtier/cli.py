@@ -21,6 +21,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.verify.cli",  # verify (cold -> warm from S3 -> cold, what the kv_verify role runs)
     "kvtier.verify.fleet_cli",  # verify-fleet (one host computes, the others load from Ceph)
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
+    "kvtier.plan.cli",  # plan (tier sizes -> hit rate, TTFT, RGW load)
+    "kvtier.explain.cli",  # explain (where prompts stop sharing a prefix; what the cache holds)
 )
 
 

@@ -11,6 +11,7 @@ inside the functions that need them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -45,7 +46,10 @@ _NUCLEI = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "y"]
 _CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt"]
 
 
-def _lexicon(rng: random.Random, size: int) -> list[str]:
+@functools.lru_cache(maxsize=4)
+def _lexicon(seed: int, size: int) -> tuple[str, ...]:
+    # Cached: the tokenizer's corpus draws 300 texts from the same lexicon.
+    rng = random.Random(seed)
     words: set[str] = set()
     while len(words) < size:
         syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
@@ -55,7 +59,7 @@ def _lexicon(rng: random.Random, size: int) -> list[str]:
                 for _ in range(syllables)
             )
         )
-    return sorted(words)
+    return tuple(sorted(words))
 
 
 def sample_text(num_words: int, seed: int = 0, lexicon_seed: int = 1234) -> str:
@@ -64,7 +68,7 @@ def sample_text(num_words: int, seed: int = 0, lexicon_seed: int = 1234) -> str:
     Different `seed`s give different texts over the same lexicon (the tokenizer's lexicon),
     so prompts tokenize compactly (~1.3 tokens per word with the tiny tokenizer).
     """
-    lexicon = _lexicon(random.Random(lexicon_seed), 6000)
+    lexicon = _lexicon(lexicon_seed, 6000)
     rng = random.Random(seed)
     out: list[str] = []
     sentence_len = 0
@@ -166,35 +170,29 @@ def _weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
     return tensors
 
 
-def make_tiny(directory: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
-    """Write the tiny model into `directory` (created if needed); returns its path.
-
-    Same spec (seed included) gives byte-identical files.
-    """
+def write_tokenizer_and_config(
+    directory: str | os.PathLike[str], spec: TinyModelSpec | None = None
+) -> Path:
+    """Write everything of the tiny model but its weights (the tokenizer and the config files)
+    into `directory`; needs only `tokenizers` (no torch). Returns its path."""
     spec = spec or TinyModelSpec()
     if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
         raise ValueError(
             "hidden_size must be a multiple of num_heads, and num_heads of num_kv_heads"
         )
-    from safetensors.torch import save_file
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(spec)
     tokenizer.save(str(out / "tokenizer.json"))
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     vocab_size = spec.vocab_size  # embedding rows; the trained vocab may be slightly smaller
-
-    def write_json(name: str, doc: dict[str, Any]) -> None:
-        (out / name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-    write_json("config.json", _config(spec, eos_id, vocab_size))
-    write_json(
-        "generation_config.json",
+    _write_json(out / "config.json", _config(spec, eos_id, vocab_size))
+    _write_json(
+        out / "generation_config.json",
         {"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False},
     )
-    write_json(
-        "tokenizer_config.json",
+    _write_json(
+        out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": EOS_TOKEN,
@@ -205,10 +203,26 @@ def make_tiny(directory: str | os.PathLike[str], spec: TinyModelSpec | None = No
             "clean_up_tokenization_spaces": False,
         },
     )
-    write_json("special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
-    tensors = _weights(spec, vocab_size)
+    _write_json(out / "special_tokens_map.json", {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
+    return out
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def make_tiny(directory: str | os.PathLike[str], spec: TinyModelSpec | None = None) -> Path:
+    """Write the tiny model into `directory` (created if needed); returns its path.
+
+    Same spec (seed included) gives byte-identical files.
+    """
+    spec = spec or TinyModelSpec()
+    from safetensors.torch import save_file
+
+    out = write_tokenizer_and_config(directory, spec)
+    tensors = _weights(spec, spec.vocab_size)
     save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), {"format": "pt"})
-    write_json("kvtier-tiny.json", {"generator": "kvtier model make-tiny", **asdict(spec)})
+    _write_json(out / "kvtier-tiny.json", {"generator": "kvtier model make-tiny", **asdict(spec)})
     return out
 
 

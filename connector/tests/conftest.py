@@ -178,3 +178,11 @@ def ceph_s3() -> Iterator[CephS3]:
             fcntl.flock(lock, fcntl.LOCK_EX)  # waits for every other session to be done
             _playbook("playbooks/teardown.yml")
         lock.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's config and tokenizer, without weights (`tokenizers` only, no torch)."""
+    from kvtier.model import write_tokenizer_and_config
+
+    return write_tokenizer_and_config(tmp_path_factory.mktemp("tiny-model"))

@@ -36,6 +36,17 @@ def _touch(target: str | int) -> None:
     os.utime(target, ns=(now, now))
 
 
+def chunk_path(root: str, key: str) -> str:
+    """Where the disk tier under ``root`` keeps ``key``:
+    ``<root>/<namespace>/<fingerprint>/<hash[:2]>/<hash>.kvt`` (also for read-only readers,
+    e.g. `kvtier explain`, which must not build a tier: its start-up evicts and cleans up)."""
+    parts = key.split("/")
+    if len(parts) != 3 or not all(parts) or any(p in (".", "..") for p in parts):
+        raise TierError("bad_key", f"malformed key {key!r}")
+    ns, fp, h = parts
+    return os.path.join(root, ns, fp, h[:2], h + _SUFFIX)
+
+
 class DiskTier(Tier):
     name = "disk"
 
@@ -51,11 +62,7 @@ class DiskTier(Tier):
 
     # ---- paths: <root>/<namespace>/<fingerprint>/<hash[:2]>/<hash>.kvt
     def _path(self, key: str) -> str:
-        parts = key.split("/")
-        if len(parts) != 3 or not all(parts) or any(p in (".", "..") for p in parts):
-            raise TierError("bad_key", f"malformed key {key!r}")
-        ns, fp, h = parts
-        return os.path.join(self.root, ns, fp, h[:2], h + _SUFFIX)
+        return chunk_path(self.root, key)
 
     def _key(self, path: str) -> str:
         rel = os.path.relpath(path, self.root).split(os.sep)

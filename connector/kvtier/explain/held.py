@@ -1,0 +1,118 @@
+"""Which of a prompt's chunks the persistent tiers of a config hold now, asked read-only.
+
+A tier key is ``<namespace>/<layout fingerprint>/<chunk hash>``. The fingerprint depends on the
+layout vLLM picks at run time (model, dtype, block size, kernel, TP rank...), so it is found in
+the tiers: the directories under ``<local_disk>/<namespace>/`` and the common prefixes of an S3
+listing under ``<prefix>/<namespace>/``, or given (``--fingerprint``). Then each chunk key is
+checked: a stat on disk (no tier is built: `DiskTier`'s start-up evicts and cleans up), a HEAD
+on S3. Nothing is written or deleted. The CPU tier lives inside the server: not visible here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import KvtierConfig
+from kvtier.explain.prompts import ExplainError
+from kvtier.tiers.base import TierError
+from kvtier.tiers.disk import chunk_path
+
+_FINGERPRINT = re.compile(r"^[0-9a-f]{32}$")
+MAX_FINGERPRINTS = 16
+
+
+def leading(present: Sequence[bool]) -> int:
+    n = 0
+    while n < len(present) and present[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class CacheView:
+    """The disk and S3 tiers of ``cfg`` under ``namespace``, read-only."""
+
+    cfg: KvtierConfig
+    namespace: str
+    errors: dict[str, str] = field(default_factory=dict)
+    _s3: Any = None
+    _client: Any = None
+
+    def __post_init__(self) -> None:
+        if self.cfg.remote_url:
+            from kvtier.tiers.s3_boto3 import Boto3S3Tier, make_boto3_client
+
+            pool = self.cfg.extra_config.s3_max_io_concurrency
+            self._client = make_boto3_client(self.cfg, pool)
+            self._s3 = Boto3S3Tier(self._client, self.cfg.s3_bucket or "", self.cfg.s3_prefix, pool)
+
+    @property
+    def tiers(self) -> list[str]:
+        return (["disk"] if self.cfg.local_disk else []) + (["s3"] if self._s3 else [])
+
+    def _disk_fingerprints(self) -> set[str]:
+        root = os.path.join(self.cfg.local_disk or "", self.namespace)
+        try:
+            return {d for d in os.listdir(root) if _FINGERPRINT.match(d)}
+        except FileNotFoundError:
+            return set()
+        except OSError as exc:
+            self.errors["disk"] = f"cannot list {root}: {exc}"
+            return set()
+
+    def _s3_fingerprints(self) -> set[str]:
+        from kvtier.tiers.s3_boto3 import error_cause
+
+        prefix = self._s3.object_key(self.namespace) + "/"
+        found: set[str] = set()
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self._s3.bucket, Prefix=prefix, Delimiter="/"
+            )
+            for page in pages:
+                for common in page.get("CommonPrefixes", []):
+                    name = common["Prefix"][len(prefix) :].rstrip("/")
+                    if _FINGERPRINT.match(name):
+                        found.add(name)
+        except Exception as exc:  # any client failure: reported, the other tier still answers
+            self.errors["s3"] = f"cannot list s3://{self._s3.bucket}/{prefix} ({error_cause(exc)})"
+        return found
+
+    def fingerprints(self, wanted: str | None) -> list[str]:
+        """The layouts stored under the namespace (those starting with ``wanted`` if given)."""
+        found = self._disk_fingerprints() if self.cfg.local_disk else set()
+        if self._s3 is not None:
+            found |= self._s3_fingerprints()
+        if wanted:
+            found = {f for f in found if f.startswith(wanted)}
+            if not found and _FINGERPRINT.match(wanted):
+                found = {wanted}
+        if len(found) > MAX_FINGERPRINTS:
+            raise ExplainError(
+                f"{len(found)} layouts under namespace {self.namespace!r}: pass --fingerprint "
+                "(the one the server uses; `kvtier ls` lists them)"
+            )
+        return sorted(found)
+
+    def held(self, fingerprint: str, hashes: Sequence[str]) -> dict[str, list[bool] | None]:
+        """Per tier, whether each chunk is stored now (None: the tier could not be asked)."""
+        keys = [f"{self.namespace}/{fingerprint}/{h}" for h in hashes]
+        out: dict[str, list[bool] | None] = {}
+        if self.cfg.local_disk:
+            root = os.path.abspath(self.cfg.local_disk)
+            out["disk"] = [os.path.exists(chunk_path(root, k)) for k in keys]
+        if self._s3 is not None:
+            try:
+                out["s3"] = self._s3.contains_many(keys)
+            except TierError as exc:
+                self.errors["s3"] = str(exc)
+                out["s3"] = None
+        return out
+
+    def close(self) -> None:
+        if self._s3 is not None:
+            self._s3.close()

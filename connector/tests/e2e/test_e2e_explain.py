@@ -1,0 +1,73 @@
+"""`kvtier explain` against a real vLLM: prompts rendered by its /tokenize, and the chunks its
+disk tier saved while serving one of them, found read-only by explain."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _e2e import Servers
+
+from kvtier.cli import main
+
+LICENSE = Path("/usr/share/common-licenses/GPL-2")
+STAMP = "Generated 2026-12-03T10:00:00Z\n"
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["explain", *args, "--json"]) == 0, capsys.readouterr().err
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def _wait_for_files(root: Path, count: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    found = len(list(root.rglob("*.kvt")))
+    while found < count and time.monotonic() < deadline:
+        time.sleep(0.5)  # background writes: nothing to wait on but the directory
+        found = len(list(root.rglob("*.kvt")))
+    return found
+
+
+def test_explain_renders_through_the_server_and_sees_its_disk_chunks(
+    servers: Servers,
+    tiny_model: str,
+    scratch: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = LICENSE.read_text()
+    docs = {"original": text, "top": STAMP + text, "bottom": text + STAMP}
+    paths = []
+    for name, content in docs.items():
+        paths.append(str(scratch / f"{name}.txt"))
+        Path(paths[-1]).write_text(content)
+    kvtier = {"local_cpu": False, "local_disk": str(scratch / "disk"), "max_local_disk_size": 1.0}
+    config = scratch / "kvtier.yaml"
+    config.write_text(json.dumps(kvtier))  # JSON is YAML
+    server = servers.make("explain", kvtier)
+    tokens = server.tokenize(text)
+    server.complete(tokens, max_tokens=4)  # prefilled: every full chunk saved to disk
+    assert _wait_for_files(scratch / "disk", len(tokens) // 256) >= len(tokens) // 256
+
+    doc = _explain(capsys, "--server-url", server.base_url, "--config", str(config), *paths)
+    original, top, bottom = doc["prompts"]
+    assert doc["rendered_by"].endswith("/tokenize (model tiny)")
+    assert original["tokens"] == len(tokens)
+    assert top["first_divergence"] == 0 and top["shared_chunks"] == 0
+    assert bottom["first_divergence"] == len(tokens) and bottom["kind"] == "extends"
+    assert bottom["context"]["this"].startswith("Generated 2026-12-03")
+    assert len(doc["cache"]["fingerprints"]) == 1
+    assert original["held"]["tiers"]["disk"]["leading"] == len(tokens) // 256
+    assert bottom["held"]["leading"] == len(tokens) // 256  # the original's chunks
+    assert top["held"]["leading"] == 0
+
+    # Offline rendering from the model directory agrees with the server's.
+    offline = _explain(capsys, "--model-dir", tiny_model, *paths)
+    keys = ("tokens", "shared_chunks", "first_divergence", "kind")
+    assert [[p[k] for k in keys] for p in offline["prompts"]] == [
+        [p[k] for k in keys] for p in doc["prompts"]
+    ]
+    server.stop()
