@@ -103,3 +103,17 @@ def test_full_filesystem_evicts_or_skips_never_raises_unexpected(small_fs: Path)
         tier2.put(KEY.format(1), b"", os.urandom(8 << 20))
     assert err.value.cause == "no_space"
     assert not list(small_fs.rglob("*.tmp"))
+
+
+def test_a_tool_opening_the_directory_changes_nothing(tmp_path: Path) -> None:
+    """kvtier ls / purge open the disk tier beside a running server: its temp files (writes in
+    progress) stay, and a cap below what is stored evicts nothing."""
+    tier = DiskTier(str(tmp_path), 1 << 20)
+    for i in range(4):
+        tier.put(f"ns/{'ab' * 16}/{i:032x}", b"h" * 64, b"p" * 1000)
+    tmp = tmp_path / "ns" / ("ab" * 16) / "00" / "x.kvt.1.2.tmp"
+    tmp.write_bytes(b"half")
+    view = DiskTier(str(tmp_path), 100, maintain=False)
+    assert tmp.exists() and len(view) == 4
+    DiskTier(str(tmp_path), 100)  # a server's start: cleans up and evicts down to its cap
+    assert not tmp.exists() and len(list(tmp_path.rglob("*.kvt"))) == 0

@@ -14,7 +14,7 @@ def persistent_tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
     if cfg.local_disk and only in (None, "disk"):
         from kvtier.tiers.disk import DiskTier
 
-        yield DiskTier(cfg.local_disk, cfg.disk_bytes)
+        yield DiskTier(cfg.local_disk, cfg.disk_bytes, maintain=False)
     if cfg.remote_url and only in (None, "s3"):
         from kvtier.tiers.s3_boto3 import Boto3S3Tier
 

@@ -50,8 +50,12 @@ def chunk_path(root: str, key: str) -> str:
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, root: str, capacity_bytes: int) -> None:
+    def __init__(self, root: str, capacity_bytes: int, *, maintain: bool = True) -> None:
+        """``maintain=False`` opens the directory as a tool does (kvtier ls, purge, explain):
+        temp files are left alone (they may be a running server's writes in progress) and
+        nothing is evicted at open, whatever the cap."""
         self.root = os.path.abspath(root)
+        self._maintain = maintain
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -74,7 +78,8 @@ class DiskTier(Tier):
             for fname in files:
                 path = os.path.join(dirpath, fname)
                 if fname.endswith(_TMP_SUFFIX):  # left by a crash mid-write
-                    self._unlink(path)
+                    if self._maintain:
+                        self._unlink(path)
                     continue
                 if not fname.endswith(_SUFFIX) or path.count(os.sep) - self.root.count(os.sep) != 4:
                     continue
@@ -88,6 +93,8 @@ class DiskTier(Tier):
             for _, key, size in found:
                 self._index[key] = size
                 self._used += size
+        if not self._maintain:
+            return
         with self._lock:  # the cap may have shrunk since the last run
             victims = self._evict_locked(0)
         for victim in victims:

@@ -163,10 +163,16 @@ def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
     """
     import torch
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+    # MLAAttentionSpec subclasses FullAttentionSpec in vLLM 0.32: refuse it by name.
+    spec0 = groups[0].kv_cache_spec if len(groups) == 1 else None
+    if (
+        spec0 is None
+        or not isinstance(spec0, FullAttentionSpec)
+        or isinstance(spec0, MLAAttentionSpec)
+    ):
         raise LayoutError(
             "kvtier supports models with one full-attention KV cache group; this model has "
             f"{[type(g.kv_cache_spec).__name__ for g in groups]} (hybrid, sliding-window-only "
