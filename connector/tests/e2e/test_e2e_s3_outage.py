@@ -88,6 +88,18 @@ def _wait_for_s3_hit(server: VllmServer, stored: list[int], timeout: float) -> f
     return float("inf")
 
 
+def _wait_for_open_breaker(server: VllmServer, timeout: float) -> float:
+    """kvtier:tier_circuit_open{tier="s3"} once it is > 0 (the lookups that time out in the
+    background open it a few seconds into the fault; short requests make the engine report)."""
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while value < 1 and time.monotonic() < deadline:
+        server.complete(prompt(64, seed=int(time.monotonic())), max_tokens=2)
+        time.sleep(1.0)
+        value = metric_sum(server.metrics(), "kvtier:tier_circuit_open", tier="s3")
+    return value
+
+
 def test_a_black_holed_endpoint_delays_no_request(
     server: VllmServer, proxy: Haproxy, s3_target: S3Target
 ) -> None:
@@ -101,7 +113,7 @@ def test_a_black_holed_endpoint_delays_no_request(
     try:
         black_seq = stream(send, _docs(2000, 6))
         black_par = stream(send, _docs(2100, 8), concurrency=4)
-        open_now = metric_sum(server.metrics(), "kvtier:tier_circuit_open", tier="s3")
+        open_now = _wait_for_open_breaker(server, timeout=20)
     finally:
         proxy.thaw()
     recovered = _wait_for_s3_hit(server, stored, timeout=60)
