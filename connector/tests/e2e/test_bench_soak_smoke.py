@@ -1,4 +1,4 @@
-"""`kvtier bench soak`, shortened to ~40 s (the full run is by hand: docs/reliability.md): a
+"""`kvtier bench soak`, shortened to ~25 s (the full run is by hand: docs/reliability.md): a
 real vLLM server with kvtier's CPU, disk and S3 tiers under experiment C's mixed load serves
 every request, its descriptors and S3 connections do not grow, the bucket holds the chunks it
 saved, and the JSON, CSV and PNG are written."""
@@ -35,7 +35,7 @@ def test_a_short_soak_serves_everything_and_grows_nothing(
     out = scratch / "soak.json"
     status = main(
         ["bench", "soak", "--base-url", srv.base_url, "--model", srv.served_model_name,
-         "--duration", "40", "--window", "10", "--pid", str(srv.pid), "--config", str(config),
+         "--duration", "25", "--window", "5", "--pid", str(srv.pid), "--config", str(config),
          "--namespace", NAMESPACE, "--json", str(out)]
     )  # fmt: skip
     srv.stop()

@@ -179,14 +179,14 @@ def test_rgw_then_haproxy_killed_mid_stream_fail_no_request(
     thread = threading.Thread(target=load)
     thread.start()
     try:
-        time.sleep(3)
+        time.sleep(2)
         supervisorctl("stop", *rgw)  # 503s from haproxy
-        time.sleep(6)
+        time.sleep(4)
         supervisorctl("stop", *proxies)  # refused connections
-        time.sleep(6)
+        time.sleep(4)
     finally:
         supervisorctl("start", *proxies, *rgw)
-        time.sleep(6)
+        time.sleep(3)
         done.set()
         thread.join()
     failures = [f for r in result for f in r.failures]

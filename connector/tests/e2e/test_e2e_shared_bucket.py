@@ -1,5 +1,7 @@
 """Two servers (different ports, separate disk dirs, CPU+disk+S3 tiers) on one bucket: B hits what
-A wrote. B has never seen the prompt, so its hits can only come from S3."""
+A wrote (B has never seen the prompt, so its hits can only come from S3), and namespaces keep
+tenants apart: B's requests in a namespace of their own never hit A's chunks of the same prompt,
+and a request naming a namespace B does not allow is served without kvtier."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ from pathlib import Path
 
 from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
 
+from kvtier.completions import stream_completion
+
 SHARED = prompt(6_000, seed=21)
+TENANT = prompt(3_000, seed=31)
 
 
-def test_server_b_hits_what_server_a_wrote(
+def test_server_b_hits_what_server_a_wrote_and_tenants_stay_apart(
     servers: Servers, s3_target: S3Target, scratch: Path
 ) -> None:
     tiers = {"local_cpu": True, "max_local_cpu_size": 0.5, "max_local_disk_size": 1.0}
@@ -18,16 +23,36 @@ def test_server_b_hits_what_server_a_wrote(
         "shared-a", s3_target.kvtier(local_disk=str(scratch / "a"), **tiers), env=s3_target.env
     )
     cold = a.complete(SHARED, max_tokens=OUTPUT_TOKENS)
-    n = len(SHARED) // CHUNK
+    tenant_cold = a.complete(TENANT, max_tokens=OUTPUT_TOKENS)
+    n = len(SHARED) // CHUNK + len(TENANT) // CHUNK  # full chunks of each prompt
     assert len(s3_target.wait_for_objects(n)) == n
     b = servers.make(
-        "shared-b", s3_target.kvtier(local_disk=str(scratch / "b"), **tiers), env=s3_target.env
+        "shared-b",
+        s3_target.kvtier(local_disk=str(scratch / "b"), request_namespaces=["tenant-b"], **tiers),
+        env=s3_target.env,
     )
     c = Counters(b)
     out = b.complete(SHARED, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:tier_hits_total", tier="s3") >= n - 1, b.log_tail()
+    assert c.delta("kvtier:tier_hits_total", tier="s3") >= len(SHARED) // CHUNK - 1, b.log_tail()
     assert c.delta("kvtier:tier_hits_total", tier="disk") == 0
     assert c.delta("vllm:external_prefix_cache_hits_total") >= 0.9 * len(SHARED)
     assert out.token_ids == cold.token_ids
+
+    def ask(namespace: str) -> list[int]:
+        body = {"kv_transfer_params": {"kvtier_namespace": namespace}}
+        done = stream_completion(
+            b.base_url, b.served_model_name, TENANT, OUTPUT_TOKENS, extra_body=body
+        )
+        return done.token_ids
+
+    # Tenant B, the same prompt A stored in the production namespace: no hit.
+    c = Counters(b)
+    assert ask("tenant-b") == tenant_cold.token_ids
+    assert c.delta("kvtier:hit_tokens_total") == 0
+    # A namespace B does not allow: served without kvtier (nothing looked up), and said so.
+    c = Counters(b)
+    assert ask("tenant-a") == tenant_cold.token_ids
+    assert c.delta("kvtier:lookup_tokens_total") == 0
+    assert "asks for namespace 'tenant-a', which is not in request_namespaces" in b.log_text()
     a.stop()
     b.stop()

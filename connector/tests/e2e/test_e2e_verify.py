@@ -45,7 +45,7 @@ def _settings(stack: dict[str, Any], **overrides: Any) -> Settings:
         "namespace": NAMESPACE,
         # the role's default length: at 2048 tokens the tiny model's prefill is as fast as a
         # load from S3 on 2 cores (measured warm/cold 1.01), at 8192 it is 3-10x slower
-        "documents": 3,
+        "documents": 2,
         "document_tokens": 8192,
         "output_tokens": OUTPUT_TOKENS,
         "seed": 7,
