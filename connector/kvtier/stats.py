@@ -78,6 +78,8 @@ class StoreStats:
     remote_lookups: int = 0
     remote_lookup_requests: int = 0
     remote_lookup_seconds: float = 0.0
+    #: Seconds spent checking headers and checksums of what the tiers returned.
+    verify_seconds: float = 0.0
     #: ``get`` calls, and those answered with verified data by some tier.
     gets: int = 0
     get_hits: int = 0

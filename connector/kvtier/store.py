@@ -244,16 +244,18 @@ class TieredStore:
             elapsed = time.perf_counter() - start
             payload: bytes | None = None
             if item is not None:
+                checked = time.perf_counter()
                 try:
                     verify(item[0], item[1], self._layout, chunk, self.verify_checksums)
                     payload = item[1]
                 except FormatError as exc:
                     self._count_error(tier, exc.cause)
-                    log.warning(
-                        "kvtier: dropping %s from %s: %s (%s)", key, tier.name, exc, exc.cause
-                    )
+                    message = f"dropping {key} from {tier.name}: {exc} ({exc.cause})"
+                    self._warnings.warning((tier.name, exc.cause), message)
                     self._guard(tier, "delete", key, partial(tier.delete, key), None)
             with self._lock:
+                if item is not None:
+                    self._stats.verify_seconds += time.perf_counter() - checked
                 ts = self._stats.tiers[tier.name]
                 ts.get_seconds += elapsed
                 ts.get_max_seconds = max(ts.get_max_seconds, elapsed)

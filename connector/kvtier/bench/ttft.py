@@ -61,11 +61,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     warmup = random_prompts(1, 64, args.seed + 1)[0]
     server = ServerFactory(args.model, args.port, work, args.vllm_python, budget)
 
-    def cold_then_warm(srv: VllmServer, restart: bool) -> tuple[list[float], list[float]]:
+    def cold_then_warm(
+        srv: VllmServer, restart: bool
+    ) -> tuple[list[float], list[float], dict[str, float]]:
         return _cold_then_warm(srv, restart, warmup, prompts, args.output_tokens)
 
     results: dict[str, dict[str, list[float]]] = {}
-    plans: dict[str, Callable[[], tuple[list[float], list[float]]]] = {
+    breakdowns: dict[str, dict[str, float]] = {}
+    plans: dict[str, Callable[[], tuple[list[float], list[float], dict[str, float]]]] = {
         "none": lambda: cold_then_warm(server("none", None), restart=False),
         "kvtier-disk": lambda: cold_then_warm(
             server("kvtier-disk", disk_tier(work / "disk" / run_id)), restart=True
@@ -86,8 +89,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for name in SCENARIOS:
         if name in plans and name in args.scenarios:
             print(f"[bench ttft] {name} ...", file=sys.stderr, flush=True)
-            cold, warm = plans[name]()
+            cold, warm, breakdown = plans[name]()
             results[name] = {"cold": cold, "warm": warm}
+            if breakdown:
+                breakdowns[name] = breakdown
 
     if "kvtier-s3" in results:
         delete_namespace(s3)
@@ -101,14 +106,41 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_seconds": results,
         "median_ttft_seconds": med,
         "ratios": _ratios(med),
+        "warm_breakdown_ms": breakdowns,
         "logs": str(work),
     }
 
 
+#: kvtier's time counters on /metrics (seconds) for the warm round's breakdown, per request.
+_TIMES = {
+    "remote lookup": ("kvtier:remote_lookup_seconds_sum", "kvtier:remote_lookups_total"),
+    "load (all)": ("kvtier:load_seconds_sum", None),
+    "fetch": ("kvtier:load_fetch_seconds_total", None),
+    "of it verify": ("kvtier:load_verify_seconds_total", None),
+    "copy": ("kvtier:load_copy_seconds_total", None),
+    "forward pass": ("kvtier:forward_seconds_total", None),
+}
+
+
+def _breakdown(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """Milliseconds per warm request of each part of a hit (from kvtier's /metrics)."""
+    from kvtier.vllm.server import metric_sum
+
+    def delta(name: str) -> float:
+        return metric_sum(after, name) - metric_sum(before, name)
+
+    out: dict[str, float] = {}
+    for label, (seconds, count) in _TIMES.items():
+        per = delta(count) if count else n
+        out[label] = round(1000 * delta(seconds) / per, 2) if per else 0.0
+    return out
+
+
 def _cold_then_warm(
     srv: VllmServer, restart: bool, warmup: list[int], prompts: list[list[int]], output_tokens: int
-) -> tuple[list[float], list[float]]:
-    """TTFT of every prompt on a fresh server, then again (after a restart if asked)."""
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """TTFT of every prompt on a fresh server, then again (after a restart if asked); for a
+    kvtier server, where the warm round's time went (ms per request)."""
 
     def measure() -> list[float]:
         return [srv.complete(p, max_tokens=output_tokens).ttft for p in prompts]
@@ -119,7 +151,12 @@ def _cold_then_warm(
         if restart:
             srv.restart()
             srv.complete(warmup, max_tokens=4)
-        return cold, measure()
+        before = srv.metrics()
+        warm = measure()
+        time.sleep(1.5)  # vLLM publishes counters with its stats interval
+        after = srv.metrics()
+        kvtier = any(k.startswith("kvtier:") for k in after)
+        return cold, warm, _breakdown(before, after, len(prompts)) if kvtier else {}
 
 
 def _ratios(med: dict[str, dict[str, float]]) -> dict[str, float | None]:
@@ -159,6 +196,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines += ["", "| ratio | value |", "|---|---|"]
     for name, value in report["ratios"].items():
         lines.append(f"| {name} | {'n/a' if value is None else f'{value:.3f}'} |")
+    breakdowns: dict[str, dict[str, float]] = report.get("warm_breakdown_ms", {})
+    if breakdowns:
+        parts = list(_TIMES)
+        lines += ["", "Warm round, where a hit's time goes (ms per request, kvtier's /metrics)", ""]
+        lines += ["| scenario | " + " | ".join(parts) + " |", "|---" * (len(parts) + 1) + "|"]
+        for name, b in breakdowns.items():
+            lines.append(f"| {name} | " + " | ".join(f"{b[p]:.1f}" for p in parts) + " |")
     return "\n".join(lines)
 
 

@@ -287,6 +287,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # whole chunks (all layers) are copied in wait_for_save
 
     def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.step_done()
         plan = self._plan()
         if plan is not None and self._worker is not None:
             self._worker.save(plan.saves)

@@ -99,6 +99,20 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Remote lookups given up after lookup_timeout_secs (the request went on without them).",
     ),
     ("kvtier:load_timeouts", "load_timeouts", "Loads that took longer than blocking_timeout_secs."),
+    # Where a hit's time goes (seconds, summed over the steps that loaded chunks).
+    ("kvtier:load_fetch_seconds", "load_fetch_seconds", "Fetching loaded chunks from the tiers."),
+    (
+        "kvtier:load_verify_seconds",
+        "load_verify_seconds",
+        "Checking fetched chunks' headers and checksums (part of the fetch).",
+    ),
+    ("kvtier:load_copy_seconds", "load_copy_seconds", "Copying fetched chunks into the KV cache."),
+    (
+        "kvtier:forward_seconds",
+        "forward_seconds",
+        "The forward passes of the steps that loaded chunks (after the load).",
+    ),
+    ("kvtier:forward_steps", "forward_steps", "Steps that loaded chunks."),
 )
 _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     (

@@ -59,6 +59,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._counters: dict[str, float] = {}
         self._samples: dict[str, list[float]] = {}
+        self._load_ended: float | None = None
         self._last_store_stats = store.stats()
         # Warm the copy path (first torch calls allocate and spin up threads) on block 0,
         # unused before the first request, so the first real load is not slower than the rest.
@@ -77,6 +78,7 @@ class WorkerSide:
         if not specs:
             return
         start = time.perf_counter()
+        verified_before = self.store.stats().verify_seconds
         hashes = list(dict.fromkeys(s.chunk_hash for s in specs))
         fut = self._fetcher.submit(self._fetch, hashes)
         try:
@@ -109,6 +111,7 @@ class WorkerSide:
                 broken.add(spec.req_id)
                 continue
             ready.append((spec, payload))
+        copy_start = time.perf_counter()
         try:
             self.copier.scatter_many([(p, s.stored_blocks, s.first, s.block_ids) for s, p in ready])
         except Exception as exc:  # a bad copy must become a recompute, never a crash
@@ -120,16 +123,34 @@ class WorkerSide:
         loaded_tokens = sum(s.num_tokens for s, _ in ready)
         self._count("loaded_chunks", loaded_chunks)
         self._count("loaded_tokens", loaded_tokens)
-        elapsed = time.perf_counter() - start
-        self._sample("load_seconds", elapsed)
+        end = time.perf_counter()
+        verify = self.store.stats().verify_seconds - verified_before
+        self._sample("load_seconds", end - start)
+        self._count("load_fetch_seconds", fetched - start)
+        self._count("load_verify_seconds", verify)
+        self._count("load_copy_seconds", end - copy_start)
+        self._load_ended = end
         log.info(
-            "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms)",
+            "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms, of it "
+            "verify %.1f ms; copy %.1f ms)",
             loaded_chunks,
             len(specs),
             loaded_tokens,
-            elapsed * 1000,
+            (end - start) * 1000,
             (fetched - start) * 1000,
+            verify * 1000,
+            (end - copy_start) * 1000,
         )
+
+    def step_done(self) -> None:
+        """After the forward pass (vLLM calls wait_for_save then): its time, in steps that
+        loaded chunks, is the rest of a hit's TTFT."""
+        if self._load_ended is not None:
+            forward = time.perf_counter() - self._load_ended
+            self._count("forward_seconds", forward)
+            self._count("forward_steps")
+            log.info("kvtier: forward pass after the load: %.1f ms", forward * 1000)
+            self._load_ended = None
 
     def _get_sequential(self, hashes: Sequence[str]) -> list[bytes | None]:
         return [self.store.get(h) for h in hashes]
