@@ -11,7 +11,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from _ansible import assert_fails_in_preflight, run_playbook
@@ -118,16 +117,22 @@ def _impostor(argv0: str, port: int, *args: str, user: str = "root") -> subproce
     pytest.fail(f"the stand-in process did not listen on {port}")
 
 
-def test_ports_held_by_the_roles_own_processes_pass(tmp_path: Path) -> None:
+# The API server binds the port before it forks the engine, which inherits the socket under
+# vLLM's process title.
+VLLM_OWN = {
+    "API server": ("/opt/kvtier/venvs/x/bin/python", "-m", "vllm.entrypoints.openai.api_server"),
+    "engine core it forked": ("VLLM::EngineCore",),
+}
+
+
+@pytest.mark.parametrize("vllm_argv", VLLM_OWN.values(), ids=VLLM_OWN.keys())
+def test_ports_held_by_the_roles_own_processes_pass(vllm_argv: tuple[str, ...]) -> None:
     """A re-run finds haproxy and the vLLM server on their ports: that is no collision."""
     rgw_port, vllm_port = _free_port(), _free_port()
     haproxy = _impostor(
         "/usr/sbin/haproxy -W -db -f /etc/haproxy/kvtier-rgw-localhost.cfg", rgw_port
     )
-    vllm = _impostor(
-        "/opt/kvtier/venvs/x/bin/python", vllm_port, "-m", "vllm.entrypoints.openai.api_server",
-        user="nobody",
-    )  # fmt: skip
+    vllm = _impostor(vllm_argv[0], vllm_port, *vllm_argv[1:], user="nobody")
     try:
         done = run_playbook(
             "site.yml",
