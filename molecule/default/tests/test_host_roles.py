@@ -83,11 +83,14 @@ def test_profile_files_are_private_to_the_user(host: Any) -> None:
     profile_dir = f"{_profiles_dir(host)}/{PROFILE}"
     for path in (_profiles_dir(host), profile_dir):
         assert (host.file(path).user, host.file(path).mode) == (USER, 0o700)
+    group = host.user(USER).group
     for name in ("config.toml", "settings.json"):
         file = host.file(f"{profile_dir}/{name}")
-        assert (file.user, file.mode) == (USER, 0o600)
+        assert (file.user, file.group, file.mode) == (USER, group, 0o600), name
+    # The key file the server reads (VLLM_API_KEY) and its directory, which others may list.
     key = host.file(KEY_FILE)
-    assert (key.user, key.mode) == (USER, 0o600)
+    assert (key.user, key.group, key.mode) == (USER, group, 0o600)
+    assert host.file(str(Path(KEY_FILE).parent)).user == "root"
 
 
 def test_settings_json_mirrors_config_toml(host: Any) -> None:

@@ -99,6 +99,21 @@ def same_rule(have: dict[str, Any], want: dict[str, Any]) -> bool:
     )
 
 
+def create(module: AnsibleModule, client: Any, bucket: str, owned: set[str]) -> None:
+    """The user may own one bucket (rgw_bucket's max-buckets): say which ones are in the way."""
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") != "TooManyBuckets":
+            raise
+        module.fail_json(
+            msg=f"The RGW user may own only the cache bucket (max-buckets 1), and it already "
+            f"owns {', '.join(sorted(owned))}: set rgw_bucket_name to that bucket, or remove it "
+            "(radosgw-admin bucket rm --bucket NAME --purge-objects) to make "
+            f"{bucket} the cache bucket."
+        )
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -124,7 +139,7 @@ def main() -> None:
         if bucket not in existing:
             created = True
             if not module.check_mode:
-                client.create_bucket(Bucket=bucket)
+                create(module, client, bucket, existing)
         rules = [] if module.check_mode and created else current_rules(client, bucket)
         mine = [r for r in rules if r.get("ID") == params["lifecycle_rule_id"]]
         others = [r for r in rules if r.get("ID") != params["lifecycle_rule_id"]]
