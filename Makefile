@@ -50,8 +50,8 @@ vllm-venv:
 	$(VLLM_VENV)/bin/pip install --quiet -e .
 
 lint: collections
-	$(BIN)/ruff check connector
-	$(BIN)/ruff format --check connector
+	$(BIN)/ruff check connector molecule tests
+	$(BIN)/ruff format --check connector molecule tests
 	$(BIN)/mypy
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint --offline --profile production

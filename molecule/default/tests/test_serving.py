@@ -225,8 +225,10 @@ def test_kv_verify_reported_every_step_passed() -> None:
     assert "skipped" not in channel["values"] and channel["checks"][0]["ok"]  # really sent
     warm = next(s for s in doc["steps"] if s["number"] == 4)["values"]
     assert warm["s3_share"] >= 0.9
-    assert (REPO / "reports" / "kv_verify" / "localhost.md").read_text().startswith(
-        "# kv_verify on localhost: PASSED"
+    assert (
+        (REPO / "reports" / "kv_verify" / "localhost.md")
+        .read_text()
+        .startswith("# kv_verify on localhost: PASSED")
     )
 
 

@@ -10,7 +10,6 @@ import os
 import random
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

@@ -60,7 +60,9 @@ def test_per_host_paths_never_collide() -> None:
     for n in SERVING:
         assert f"local_disk: /var/cache/kvtier-fleet/{n}" in configs[n]
     models = [
-        host(n).check_output(f"tr '\\0' ' ' < /proc/{supervisorctl(n, 'pid', f'kvtier-vllm-{n}')}/cmdline")
+        host(n).check_output(
+            f"tr '\\0' ' ' < /proc/{supervisorctl(n, 'pid', f'kvtier-vllm-{n}')}/cmdline"
+        )
         for n in SERVING
     ]
     assert "/opt/kvtier/models/serve1/kvtier-tiny" in models[0]

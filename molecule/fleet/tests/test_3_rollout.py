@@ -65,7 +65,9 @@ def test_a_host_with_another_layout_never_reads_the_others_chunks() -> None:
         time.sleep(0.5)
     assert wanted <= chunks_in_bucket(ns), "serve1's chunks never reached the bucket"
     offset = s2.log_size()
-    before = {k: s2.metric(k) for k in ("kvtier:hit_tokens_total", "kvtier:load_failed_tokens_total")}
+    before = {
+        k: s2.metric(k) for k in ("kvtier:hit_tokens_total", "kvtier:load_failed_tokens_total")
+    }
     got = s2.complete(doc, namespace=ns)
     time.sleep(1.5)
     after = {k: s2.metric(k) for k in before}
@@ -84,9 +86,13 @@ def test_chunk_size_change_on_serve1_while_serve2_serves() -> None:
 def test_a_broken_host_stops_the_rollout_and_says_where() -> None:
     broken = "/var/lib/kvtier-fleet/hosts/serve2/broken-model"
     h = host("serve2")
-    h.check_output(f"mkdir -p {broken} && echo '{{\"model_type\": \"no-such-arch\"}}' > {broken}/config.json")
+    h.check_output(
+        f'mkdir -p {broken} && echo \'{{"model_type": "no-such-arch"}}\' > {broken}/config.json'
+    )
     h.check_output(f"chmod -R a+rX {broken}")
-    model = json.dumps({"vllm_model": f"{{{{ '{broken}' if inventory_hostname == 'serve2' else '' }}}}"})
+    model = json.dumps(
+        {"vllm_model": f"{{{{ '{broken}' if inventory_hostname == 'serve2' else '' }}}}"}
+    )
     run = playbook("site.yml", "--tags", "serving", *CHANGE, "-e", model)
     assert run.returncode != 0, recap(run)
     out = " ".join(run.stdout.split())
