@@ -9,6 +9,7 @@ Every test writes under its own random prefix and deletes what it wrote.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -302,3 +303,27 @@ def admin_args(path: Path) -> Any:
     from kvtier.cli import build_parser
 
     return build_parser().parse_args(["purge", "--config", str(path)])
+
+
+@pytest.mark.parametrize("size", [1, 4096, 1 << 20])
+def test_a_refused_write_leaves_the_connection_usable_for_reads(
+    s3: tuple[S3Env, str], size: int
+) -> None:
+    """A PUT that RGW refuses before reading its body (here: a missing bucket) must not spoil the
+    pooled connection: behind haproxy, botocore's default ``Expect: 100-continue`` left it waiting
+    for the unsent body, and the next GET on it answered MethodNotAllowed or stalled until its
+    read timeout (a cache miss, and breaker failures, caused by another chunk's write)."""
+    env, prefix = s3
+    cfg = load_config(env.write_config(prefix))
+    client = make_boto3_client(cfg, pool=1)  # one connection: the GET reuses the PUT's
+    key = f"{prefix}/readable"
+    client.put_object(Bucket=env.bucket, Key=key, Body=b"payload")
+    missing = f"kvtier-missing-{uuid.uuid4().hex[:10]}"
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket=missing, Key="x", Body=os.urandom(size))
+    assert refused.value.response["Error"]["Code"] == "NoSuchBucket"
+    started = time.monotonic()
+    assert client.get_object(Bucket=env.bucket, Key=key)["Body"].read() == b"payload"
+    assert time.monotonic() - started < 2.0, "the GET waited on a spoiled connection"

@@ -62,10 +62,26 @@ def _session(cfg: KvtierConfig) -> Any:
         ) from exc
 
 
+def _drop_expect_continue(request: Any, **_: Any) -> None:
+    request.headers.pop("Expect", None)
+
+
+def _client(session: Any, cfg: KvtierConfig, pool: int, *, head: bool) -> Any:
+    config = s3_client_config(cfg, pool, head=head)
+    client = session.client("s3", endpoint_url=cfg.endpoint_url, config=config)
+    # botocore sends PUTs with "Expect: 100-continue" and, when the server refuses one before
+    # the body (NoSuchBucket, AccessDenied, quota), skips the body but keeps the connection.
+    # Behind haproxy that connection then waits for the missing body bytes: the next request
+    # on it either stalls to its read timeout or loses its first bytes, and RGW answers
+    # MethodNotAllowed (boto/botocore#1863, #3755). Without the header a refused PUT sends
+    # its body (at most one chunk) and the connection stays usable. The header is not signed.
+    client.meta.events.register("before-send.s3", _drop_expect_continue)
+    return client
+
+
 def make_boto3_client(cfg: KvtierConfig, pool: int = 32, *, head: bool = False) -> Any:
     """A boto3 S3 client for ``cfg``; raises ConfigError naming the key to fix."""
-    config = s3_client_config(cfg, pool, head=head)
-    return _session(cfg).client("s3", endpoint_url=cfg.endpoint_url, config=config)
+    return _client(_session(cfg), cfg, pool, head=head)
 
 
 def error_cause(exc: BaseException) -> str:
@@ -119,12 +135,7 @@ class Boto3S3Tier(Tier):
         if cfg.s3_bucket is None:
             raise ConfigError(f"key 'remote_url' in {cfg.source} is needed for the S3 tier")
         session = _session(cfg)
-        clients = [
-            session.client(
-                "s3", endpoint_url=cfg.endpoint_url, config=s3_client_config(cfg, pool, head=head)
-            )
-            for head in (False, True)
-        ]
+        clients = [_client(session, cfg, pool, head=head) for head in (False, True)]
         return cls(clients[0], cfg.s3_bucket, cfg.s3_prefix, pool, head_client=clients[1])
 
     def object_key(self, key: str) -> str:

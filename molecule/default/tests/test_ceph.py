@@ -80,6 +80,18 @@ def endpoint_ok() -> bool:
         return False
 
 
+def _drop_expect(request: Any, **_: Any) -> None:
+    request.headers.pop("Expect", None)
+
+
+def _without_expect_continue(client: Any) -> Any:
+    """What kvtier's own S3 client does (kvtier.tiers.s3_boto3): after a PUT refused before its
+    body (these tests provoke several), botocore keeps a connection that haproxy still expects
+    the body on, and the next request on it fails with MethodNotAllowed or stalls."""
+    client.meta.events.register("before-send.s3", _drop_expect)
+    return client
+
+
 @pytest.fixture(scope="module")
 def s3(host: Any) -> Iterator[Any]:
     """An S3 client built only from the profile written for the serving user."""
@@ -87,7 +99,9 @@ def s3(host: Any) -> Iterator[Any]:
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = f"{home}/.aws/credentials"
     os.environ["AWS_CONFIG_FILE"] = f"{home}/.aws/config"
     try:
-        yield boto3.Session(profile_name=VARS["aws_profile_name"]).client("s3")
+        yield _without_expect_continue(
+            boto3.Session(profile_name=VARS["aws_profile_name"]).client("s3")
+        )
     finally:
         del os.environ["AWS_SHARED_CREDENTIALS_FILE"], os.environ["AWS_CONFIG_FILE"]
 
@@ -236,17 +250,19 @@ def other_tenant(host: Any) -> Iterator[dict[str, Any]]:
         host.check_output(f"radosgw-admin user create --uid {uid} --display-name {uid}")
     )
     keys = created["keys"][0]
-    client = boto3.client(
-        "s3",
-        endpoint_url=FRONTEND,
-        region_name=VARS["aws_profile_region"],
-        aws_access_key_id=keys["access_key"],
-        aws_secret_access_key=keys["secret_key"],
-        config=Config(
-            s3={"addressing_style": "path"},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        ),
+    client = _without_expect_continue(
+        boto3.client(
+            "s3",
+            endpoint_url=FRONTEND,
+            region_name=VARS["aws_profile_region"],
+            aws_access_key_id=keys["access_key"],
+            aws_secret_access_key=keys["secret_key"],
+            config=Config(
+                s3={"addressing_style": "path"},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
     )
     tenant = {"uid": uid, "bucket": uid, "key": "private/object"}
     try:
@@ -289,11 +305,6 @@ def test_serving_user_cannot_list_read_or_write_another_users_bucket(
     assert _error_code(lambda: s3.get_object(Bucket=bucket, Key=key)) == "AccessDenied"
     assert _error_code(lambda: s3.head_object(Bucket=bucket, Key=key)) in ("403", "AccessDenied")
     assert _error_code(lambda: s3.put_object(Bucket=bucket, Key="x", Body=b"x")) == "AccessDenied"
-    # RGW answers a DELETE in a bucket the caller may not write with 405 MethodNotAllowed (Pacific
-    # 16.2 here), not 403: what counts is that it is refused and the object is still there.
-    assert _error_code(lambda: s3.delete_object(Bucket=bucket, Key=key)) in (
-        "AccessDenied",
-        "MethodNotAllowed",
-    )
+    assert _error_code(lambda: s3.delete_object(Bucket=bucket, Key=key)) == "AccessDenied"
     owner = other_tenant["owner_client"]
     assert owner.get_object(Bucket=bucket, Key=key)["Body"].read() == b"not for kvtier"
