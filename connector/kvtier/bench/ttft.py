@@ -171,6 +171,9 @@ def _ratios(med: dict[str, dict[str, float]]) -> dict[str, float | None]:
         "s3_hit_after_restart / cold_no_connector (goal <= 0.08)": ratio(
             ("kvtier-s3", "warm"), ("none", "cold")
         ),
+        "s3_hit_after_restart / cpu_tier_hit (goal <= 2.0)": ratio(
+            ("kvtier-s3", "warm"), ("kvtier-cpu", "warm")
+        ),
         "s3_hit_after_restart / vllm_prefix_cache_hit (goal <= 1.5)": ratio(
             ("kvtier-s3", "warm"), ("none", "warm")
         ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -237,3 +238,70 @@ def test_local_fact_describes_the_server(host: Any) -> None:
     assert fact["server_url"] == BASE and fact["model"] == MODEL
     # One per host, and the fleet-wide one of the cross-node step.
     assert fact["request_namespaces"] == ["kvtier-verify-localhost", "kvtier-verify-fleet"]
+
+
+def _wait_stored(host: Any, before: dict[str, int], chunks: int, timeout: float = 120) -> None:
+    """kill -9 gives the connector no chance to flush: wait until its writes have landed."""
+    deadline = time.monotonic() + timeout
+    stored = _chunks(host)
+    while any(stored[t] - before[t] < chunks for t in ("disk", "s3")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{chunks} new chunks per tier not stored within {timeout} s: {stored}")
+        time.sleep(1)
+        stored = _chunks(host)
+
+
+def test_kill_9_under_load_the_server_comes_back_and_its_chunks_still_hit(host: Any) -> None:
+    """vLLM killed outright while it serves: the service manager restarts it, nothing of the
+    dead server is left running, and what it stored is served again, from the disk tier for
+    one prompt and from S3 for the other, with the same output."""
+    key = _key(host)
+    seed = time.time_ns() % 1_000_000_007
+    only_s3, on_disk = sample_text(2600, seed=seed), sample_text(2600, seed=seed + 1)
+
+    before = _chunks(host)
+    s3_text, tokens = _complete(key, only_s3)
+    _wait_stored(host, before, tokens // CHUNK)
+    # Leave this prompt's chunks in S3 only: the restarted server's disk tier rescans its files.
+    purge = _as_user(host, f"{VENV}/bin/kvtier purge --config {CONFIG_FILE} --tier disk --yes")
+    assert purge.rc == 0, purge.stdout + purge.stderr
+    before = _chunks(host)
+    disk_text, disk_tokens = _complete(key, on_disk)
+    _wait_stored(host, before, disk_tokens // CHUNK)
+
+    # Load: another client's long prompts, one in flight when the server dies.
+    outcomes: list[str] = []
+
+    def load() -> None:
+        for n in range(4):
+            try:
+                status, _ = _request(
+                    "/v1/completions",
+                    key=key,
+                    body={"model": MODEL, "prompt": sample_text(2600, seed=seed + 10 + n)},
+                    timeout=60,
+                )
+                outcomes.append(str(status))
+            except OSError as err:  # the connection dies with the server: expected here
+                outcomes.append(type(err).__name__)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    time.sleep(0.5)
+    old = _server_pid(host)
+    children = host.check_output(f"pgrep -P {old} || true").split()
+    host.check_output(f"kill -9 {old}")
+    loader.join()
+    _wait_healthy()
+    assert _server_pid(host) != old
+    for child in children:  # the killed server's engine core does not linger
+        assert not host.file(f"/proc/{child}").exists, f"pid {child} of the killed server runs"
+    assert any(o != "200" for o in outcomes), outcomes  # requests did meet the dead server
+
+    assert _complete(key, on_disk)[0] == disk_text
+    assert _complete(key, only_s3)[0] == s3_text
+    samples = _metrics()
+    for tier, prompt_tokens in (("disk", disk_tokens), ("s3", tokens)):
+        hit = metric_sum(samples, "kvtier:hit_tokens_by_tier_total", tier=tier)
+        assert hit >= (prompt_tokens // CHUNK - 1) * CHUNK, (tier, samples)
+    assert metric_sum(samples, "kvtier:load_failed_tokens_total") == 0
