@@ -11,7 +11,8 @@ Names (values are token or chunk counts unless the name says otherwise):
 - scheduler: ``lookup_requests``, ``lookup_tokens`` (prompt tokens looked up), ``hit_tokens``
   (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
   ``planned_save_chunks``, ``remote_lookups``, ``lookup_timeouts`` (remote lookups given up
-  after lookup_timeout_secs), ``remote_lookup_seconds@samples``;
+  after lookup_timeout_secs), ``remote_lookup_seconds@samples``, ``prefix_divergences``
+  (requests whose prompt diverged from an earlier one's where their lookup stopped);
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
   ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
   ``save_failed_chunks``, ``save_copy_seconds`` (and ``@samples``);
@@ -99,6 +100,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Remote lookups given up after lookup_timeout_secs (the request went on without them).",
     ),
     ("kvtier:load_timeouts", "load_timeouts", "Loads that took longer than blocking_timeout_secs."),
+    (
+        "kvtier:prefix_divergences",
+        "prefix_divergences",
+        "Requests whose prompt differs from an earlier one with the same first chunk right where "
+        "their lookup stopped (a changing value in the prompt; the server log names the chunk).",
+    ),
     # Where a hit's time goes (seconds, summed over the steps that loaded chunks).
     ("kvtier:load_fetch_seconds", "load_fetch_seconds", "Fetching loaded chunks from the tiers."),
     (
