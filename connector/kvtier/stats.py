@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 _Stats = TypeVar("_Stats", "TierStats", "StoreStats")
@@ -54,6 +54,9 @@ class TierStats:
     circuit_opened: int = 0
     circuit_closed: int = 0
     circuit_open: int = 0
+    #: Bytes held now and the cap, for a tier with a cap of its own (CPU, disk); 0 otherwise.
+    used_bytes: int = 0
+    capacity_bytes: int = 0
     #: Failures by cause (e.g. ``checksum``, ``timeout``, ``no_space``, ``ConnectionError``).
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -117,20 +120,41 @@ class StoreStats:
 SAMPLES = "@samples"
 
 
-def store_deltas(prev: StoreStats, now: StoreStats) -> dict[str, Any]:
-    """What a store did between two snapshots, as stats keys (see the module docstring)."""
+#: A tier's fill: how full it is (``used_bytes``, ``capacity_bytes``: gauges built from deltas) and
+#: what staying under its cap cost (``evictions``).
+FILL_FIELDS = ("evictions", "used_bytes", "capacity_bytes")
+
+
+def without_fill(stats: StoreStats) -> StoreStats:
+    """``stats`` with every tier's fill at zero: the baseline whose first delta reports a tier's
+    whole fill (what it held and its cap at start, not only what changed since)."""
+    tiers = {
+        name: replace(tier, evictions=0, used_bytes=0, capacity_bytes=0)
+        for name, tier in stats.tiers.items()
+    }
+    return replace(stats, tiers=tiers)
+
+
+def store_deltas(prev: StoreStats, now: StoreStats, *, include_fill: bool = True) -> dict[str, Any]:
+    """What a store did between two snapshots, as stats keys (see the module docstring).
+
+    ``include_fill=False`` leaves out the tiers' fill (FILL_FIELDS): for a store that only
+    looks chunks up (the scheduler's), whose disk index is the one it read at start while the
+    worker's store writes, evicts and reports the same directory.
+    """
     out: dict[str, Any] = {}
+    counted = (
+        "hits",
+        "misses",
+        "bytes_read",
+        "puts",
+        "bytes_written",
+        "circuit_opened",
+        "circuit_closed",
+    ) + (FILL_FIELDS if include_fill else ())
     for name, tier in now.tiers.items():
         before = prev.tiers.get(name)
-        for field_name in (
-            "hits",
-            "misses",
-            "bytes_read",
-            "puts",
-            "bytes_written",
-            "circuit_opened",
-            "circuit_closed",
-        ):
+        for field_name in counted:
             delta = getattr(tier, field_name) - (getattr(before, field_name) if before else 0)
             if delta:
                 out[f"tier.{name}.{field_name}"] = delta

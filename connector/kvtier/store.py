@@ -355,6 +355,9 @@ class TieredStore:
             snap = copy.deepcopy(self._stats)
         for tier in self.tiers:
             snap.tiers[tier.name].evictions = tier.evictions()
+            usage = tier.usage()
+            if usage is not None:
+                snap.tiers[tier.name].used_bytes, snap.tiers[tier.name].capacity_bytes = usage
             breaker = getattr(tier, "breaker", None)
             if breaker is not None:
                 snap.tiers[tier.name].circuit_opened = breaker.opened

@@ -12,7 +12,7 @@ from _helpers import FINGERPRINT, chunks
 
 from kvtier.config import load_config
 from kvtier.format import HEADER_SIZE
-from kvtier.stats import StoreStats, read_stats_dir
+from kvtier.stats import FILL_FIELDS, StoreStats, read_stats_dir, store_deltas, without_fill
 from kvtier.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
@@ -192,3 +192,32 @@ def test_lookup_windows(tmp_path: Path, n: int) -> None:
         for h, _ in data[n // 2 : n]:
             store.tiers[0].delete(store.key(h))
         assert store.lookup_prefix([h for h, _ in data]) == n
+
+
+def test_tier_fill_is_reported_whole_first_then_by_change(tmp_path: Path) -> None:
+    """What `kvtier:tier_used_bytes` / `_capacity_bytes` / `_evictions_total` are built from: a
+    worker's first report carries the whole fill (from `without_fill`), later ones the change;
+    a lookup-only store (the scheduler's) reports none of it."""
+    size = HEADER_SIZE + 64 * 1024
+    cpu_cap, disk_cap = 3 * size, 256 << 20
+    data = chunks(4)
+    with _store(tmp_path, cpu=cpu_cap) as store:
+        store.put(*data[0][:2], 256)
+        assert store.flush(10)
+        start = without_fill(store.stats())
+        for h, p in data[1:]:
+            store.put(h, p, 256)
+        assert store.flush(10)
+        now = store.stats()
+        first = store_deltas(start, now)
+        assert first["tier.cpu.used_bytes"] == 3 * size  # a 4th chunk does not fit: 1 evicted
+        assert first["tier.cpu.capacity_bytes"] == cpu_cap
+        assert first["tier.cpu.evictions"] == 1
+        assert first["tier.disk.used_bytes"] == 4 * size
+        assert first["tier.disk.capacity_bytes"] == disk_cap
+        store.delete(data[3][0])
+        later = store_deltas(now, store.stats())
+        assert later["tier.disk.used_bytes"] == -size and "tier.disk.capacity_bytes" not in later
+        lookups_only = store_deltas(start, now, include_fill=False)
+        assert not [k for k in lookups_only if k.rpartition(".")[2] in FILL_FIELDS]
+        assert lookups_only["tier.disk.puts"] == 3

@@ -119,5 +119,10 @@ class Tier(ABC):
         """Blobs evicted to stay under the cap since start."""
         return 0
 
+    def usage(self) -> tuple[int, int] | None:
+        """(bytes held, cap) of a tier with a cap of its own; None for one without (S3: the
+        bucket's lifecycle rule decides what stays)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -68,6 +68,9 @@ class CpuTier(Tier):
     def evictions(self) -> int:
         return self._evictions
 
+    def usage(self) -> tuple[int, int]:
+        return self._used, self.capacity_bytes
+
     def close(self) -> None:
         with self._lock:
             self._items.clear()

@@ -230,3 +230,8 @@ class DiskTier(Tier):
 
     def evictions(self) -> int:
         return self._evictions
+
+    def usage(self) -> tuple[int, int]:
+        """The bytes this process's index holds, against its cap (the files of other processes
+        sharing the directory count once they are read or found at start)."""
+        return self._used, self.capacity_bytes

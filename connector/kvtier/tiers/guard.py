@@ -197,6 +197,9 @@ class GuardedTier(Tier):
     def evictions(self) -> int:
         return self.inner.evictions()
 
+    def usage(self) -> tuple[int, int] | None:
+        return self.inner.usage()
+
     def close(self) -> None:
         self.breaker.close()
         self.inner.close()

@@ -304,7 +304,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             data = self._scheduler.counters.take()
             if self._lookup_store is not None:
                 now = self._lookup_store.stats()
-                data.update(store_deltas(self._last_lookup_stats, now))
+                # Lookups only: the worker's store reports how full the tiers are.
+                data.update(store_deltas(self._last_lookup_stats, now, include_fill=False))
                 self._last_lookup_stats = now
         else:
             return None

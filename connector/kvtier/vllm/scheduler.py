@@ -16,6 +16,9 @@ Rules:
   an LRU index of the chunks it told the worker to save or load (each lands in the worker's
   CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
   the worker's load fails and vLLM recomputes: a miss, never wrong KV.
+- A request whose prompt stops matching an earlier one with the same first chunk right where
+  its lookup stopped is logged (rate-limited) and counted (``prefix_divergences``):
+  `divergence.PrefixHistory` says why that is a changed prompt, not an eviction.
 - The remote tier is never asked inside vLLM's scheduler loop: its lookup runs in a thread
   (``remote_lookup`` returns a future), and until it answers the request is reported as "not
   yet" (None) so vLLM schedules the others. After ``lookup_timeout`` the request goes ahead
@@ -35,6 +38,7 @@ from typing import Any
 from kvtier.keys import chunk_hashes
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import SAMPLES
+from kvtier.vllm.divergence import PrefixHistory
 from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
 
 log = logging.getLogger(__name__)
@@ -92,6 +96,8 @@ class SchedulerCounters:
     remote_lookups: int = 0
     remote_lookup_seconds: list[float] = field(default_factory=list)
     lookup_timeouts: int = 0
+    #: Requests whose prompt diverged from an earlier one's where their lookup stopped.
+    prefix_divergences: int = 0
 
     def take(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -102,11 +108,13 @@ class SchedulerCounters:
             "remote_lookups": self.remote_lookups,
             "remote_lookup_seconds" + SAMPLES: self.remote_lookup_seconds,
             "lookup_timeouts": self.lookup_timeouts,
+            "prefix_divergences": self.prefix_divergences,
         }
         for tier, n in self.hit_tokens_by_tier.items():
             out[f"hit_tokens.{tier}"] = n
         self.lookup_requests = self.lookup_tokens = self.hit_tokens = 0
         self.planned_save_chunks = self.remote_lookups = self.lookup_timeouts = 0
+        self.prefix_divergences = 0
         self.remote_lookup_seconds = []
         self.hit_tokens_by_tier = {}
         return out
@@ -174,6 +182,8 @@ class SchedulerSide:
         self._scheduled: list[str] = []
         self._plan = StepPlan()
         self.counters = SchedulerCounters()
+        self._history = PrefixHistory()
+        self._divergence_log = RateLimitedLog(log)  # one line per 10 s, with the count held back
 
     # ------------------------------------------------------------------ helpers
     def _chunk_tokens(self, st: _Request, k: int) -> int:
@@ -253,11 +263,23 @@ class SchedulerSide:
             self.counters.lookup_tokens += st.prompt_len
             if self._on_lookup is not None:
                 self._on_lookup(len(st.hashes), st.found_chunks)
+            self._check_divergence(req_id, st)
         st.local_tokens = num_computed_tokens
         found_tokens = min(st.found_chunks * self.chunk_size, st.prompt_len)
         # Never the whole prompt: vLLM computes at least the last token to sample from it.
         loadable = min(found_tokens, st.prompt_len - 1) // self.block_size * self.block_size
         return max(0, loadable - num_computed_tokens)
+
+    def _check_divergence(self, req_id: str, st: _Request) -> None:
+        full = st.prompt_len // self.chunk_size  # full chunks: a partial one's hash has its length
+        found = min(st.found_chunks or 0, full)
+        divergence = self._history.observe(st.hashes[:full], found)
+        if divergence is None:
+            return
+        self.counters.prefix_divergences += 1
+        self._divergence_log.warning(
+            "prefix_divergence", divergence.message(req_id, self.chunk_size)
+        )
 
     def bypass(self, req_id: str) -> None:
         """Serve the request without kvtier: nothing looked up, loaded or saved."""

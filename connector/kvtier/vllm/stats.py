@@ -11,16 +11,23 @@ Names (values are token or chunk counts unless the name says otherwise):
 - scheduler: ``lookup_requests``, ``lookup_tokens`` (prompt tokens looked up), ``hit_tokens``
   (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
   ``planned_save_chunks``, ``remote_lookups``, ``lookup_timeouts`` (remote lookups given up
-  after lookup_timeout_secs), ``remote_lookup_seconds@samples``;
+  after lookup_timeout_secs), ``remote_lookup_seconds@samples``, ``prefix_divergences``
+  (requests whose prompt diverged from an earlier one's where their lookup stopped);
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
   ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
   ``save_failed_chunks``, ``save_copy_seconds`` (and ``@samples``);
 - both (from their store): ``dropped_writes``, ``remote_lookup_requests`` and per tier
   ``tier.<tier>.{hits,misses,bytes_read,puts,bytes_written,errors,errors.<cause>,
-  circuit_opened,circuit_closed}``.
+  circuit_opened,circuit_closed}``;
+- worker only (its store's tiers with a cap): ``tier.<tier>.{evictions,used_bytes,
+  capacity_bytes}``, the last two as changes (the first report carries the whole value). The
+  scheduler's store only looks up: its disk index is the one it read at start.
 
 Prometheus (docs/metrics.md): counters ``kvtier:<name>_total`` in base units (tokens, chunks,
-bytes, seconds), histograms ``kvtier:<name>_seconds``, the gauge ``kvtier:tier_circuit_open``.
+bytes, seconds), histograms ``kvtier:<name>_seconds``, the gauges ``kvtier:tier_circuit_open``,
+``kvtier:tier_used_bytes`` and ``kvtier:tier_capacity_bytes``. A gauge is moved by the changes
+the processes report, so it is their sum (workers of several ranks with their caps) and needs
+no report from a process that has nothing new.
 The ``kvtier:`` prefix follows vLLM's own ``vllm:`` metrics on the same endpoint.
 """
 
@@ -76,6 +83,7 @@ class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
 
 # (metric name without _total, stats key, help text)
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("kvtier:lookup_requests", "lookup_requests", "Requests kvtier looked up (one lookup each)."),
     ("kvtier:lookup_tokens", "lookup_tokens", "Prompt tokens kvtier looked up."),
     ("kvtier:hit_tokens", "hit_tokens", "Prompt tokens kvtier planned to load."),
     ("kvtier:loaded_tokens", "loaded_tokens", "Prompt tokens loaded into the KV cache."),
@@ -99,6 +107,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Remote lookups given up after lookup_timeout_secs (the request went on without them).",
     ),
     ("kvtier:load_timeouts", "load_timeouts", "Loads that took longer than blocking_timeout_secs."),
+    (
+        "kvtier:prefix_divergences",
+        "prefix_divergences",
+        "Requests whose prompt differs from an earlier one with the same first chunk right where "
+        "their lookup stopped (a changing value in the prompt; the server log names the chunk).",
+    ),
     # Where a hit's time goes (seconds, summed over the steps that loaded chunks).
     ("kvtier:load_fetch_seconds", "load_fetch_seconds", "Fetching loaded chunks from the tiers."),
     (
@@ -125,9 +139,33 @@ _TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:tier_bytes_read", "tier.{tier}.bytes_read", "Payload bytes read from the tier."),
     ("kvtier:tier_puts", "tier.{tier}.puts", "Chunks written to the tier."),
     (
+        "kvtier:tier_bytes_written",
+        "tier.{tier}.bytes_written",
+        "Bytes written to the tier (chunk header and payload).",
+    ),
+    (
+        "kvtier:tier_evictions",
+        "tier.{tier}.evictions",
+        "Chunks the tier evicted to stay under its cap (CPU, disk).",
+    ),
+    (
         "kvtier:tier_circuit_opened",
         "tier.{tier}.circuit_opened",
         "Times the tier's circuit breaker opened (the tier stopped being asked).",
+    ),
+)
+# (metric name, stats key of its changes, help text): gauges of a tier's fill.
+_TIER_GAUGES: tuple[tuple[str, str, str], ...] = (
+    (
+        "kvtier:tier_used_bytes",
+        "tier.{tier}.used_bytes",
+        "Bytes the tier holds now (CPU, disk: the ones with a cap), summed over the workers.",
+    ),
+    (
+        "kvtier:tier_capacity_bytes",
+        "tier.{tier}.capacity_bytes",
+        "The tier's cap in bytes (max_local_cpu_size, max_local_disk_size), summed over the "
+        "workers.",
     ),
 )
 _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
@@ -179,9 +217,15 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             "kvtier:tier_circuit_open",
             "Processes (scheduler, workers) whose circuit breaker keeps the tier out now.",
         )
-        for values in per_engine_labelvalues.values():  # 0, not absent, while all is well
+        self._fill = [(k, per_tier(self._gauge_cls, n, d)) for n, k, d in _TIER_GAUGES]
+        # 0, not absent, while all is well (rates and alerts then see 0, not "no data"). The fill
+        # gauges appear with the first report of a tier with a cap: 0 bytes of a 0-byte cap is
+        # not a tier's fill.
+        for values in per_engine_labelvalues.values():
             for tier in TIERS:
                 self._circuit_open.labels(*values, tier).set(0)
+                for _, counter in self._tiered:
+                    counter.labels(*values, tier)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -201,6 +245,11 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             if key.startswith("tier.") and ".errors." in key and value:
                 tier, _, cause = key.removeprefix("tier.").partition(".errors.")
                 self._errors.labels(*values, tier, cause).inc(value)
+        for pattern, gauge in self._fill:
+            for tier in TIERS:
+                change = data.get(pattern.format(tier=tier), 0)
+                if change:
+                    gauge.labels(*values, tier).inc(change)
         for tier in TIERS:
             change = data.get(f"tier.{tier}.circuit_opened", 0)
             change -= data.get(f"tier.{tier}.circuit_closed", 0)

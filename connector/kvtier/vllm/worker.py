@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
-from kvtier.stats import SAMPLES, StoreStats, store_deltas
+from kvtier.stats import SAMPLES, StoreStats, store_deltas, without_fill
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.plan import LoadSpec, SaveSpec
@@ -60,7 +60,8 @@ class WorkerSide:
         self._counters: dict[str, float] = {}
         self._samples: dict[str, list[float]] = {}
         self._load_ended: float | None = None
-        self._last_store_stats = store.stats()
+        # Counters from here on; the tiers' fill (a gauge built from deltas) whole, from zero.
+        self._last_store_stats = without_fill(store.stats())
         # Warm the copy path (first torch calls allocate and spin up threads) on block 0,
         # unused before the first request, so the first real load is not slower than the rest.
         copier.scatter(copier.gather([0]), 1, 0, [0])

@@ -1,15 +1,19 @@
 """Two servers (different ports, separate disk dirs, CPU+disk+S3 tiers) on one bucket: B hits what
 A wrote (B has never seen the prompt, so its hits can only come from S3), and namespaces keep
 tenants apart: B's requests in a namespace of their own never hit A's chunks of the same prompt,
-and a request naming a namespace B does not allow is served without kvtier."""
+and a request naming a namespace B does not allow is served without kvtier. After that traffic,
+B's /metrics serves every series monitoring/'s dashboard and alert rules read."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
+from _monitoring import SERIES_ON_FIRST_EVENT, monitored_selectors
 
 from kvtier.completions import stream_completion
+from kvtier.vllm.server import VllmServer, parse_metrics
 
 SHARED = prompt(6_000, seed=21)
 TENANT = prompt(3_000, seed=31)
@@ -54,5 +58,27 @@ def test_server_b_hits_what_server_a_wrote_and_tenants_stay_apart(
     assert ask("tenant-a") == tenant_cold.token_ids
     assert c.delta("kvtier:lookup_tokens_total") == 0
     assert "asks for namespace 'tenant-a', which is not in request_namespaces" in b.log_text()
+    _every_series_monitoring_reads_is_served(b)
     a.stop()
     b.stop()
+
+
+def _every_series_monitoring_reads_is_served(server: VllmServer) -> None:
+    """Each series the dashboard and the alerts select (with their ``label="value"`` matchers)
+    has a sample on a server with CPU, disk and S3 tiers after traffic; a series that exists
+    only from its first event on (tier errors, by cause) is at least declared."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = [(key.partition("{")[0], key) for key in parse_metrics(text)]
+    missing = []
+    for where, selector in monitored_selectors():
+        if selector.metric in SERIES_ON_FIRST_EVENT:
+            present = f"# HELP {selector.metric} " in text
+        else:
+            present = any(
+                name == selector.metric and all(f'{k}="{v}"' in key for k, v in selector.equal)
+                for name, key in samples
+            )
+        if not present:
+            missing.append(f"{where}: {selector.metric}{dict(selector.equal)}")
+    assert not missing, f"not on {server.base_url}/metrics: {missing}"
