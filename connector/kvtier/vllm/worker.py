@@ -174,26 +174,21 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
     def save(self, specs: Sequence[SaveSpec]) -> None:
-        """Copy each chunk's blocks out and hand them to the store, which copies what it keeps
-        (the buffer goes back to the copier at once). On CUDA the next chunks' copies are
-        already queued while one is handed over (BlockCopier.gather_iter)."""
+        """Copy each chunk's blocks out (each buffer goes back to the copier at once; on CUDA
+        the next chunks' copies are already queued: BlockCopier.gather_iter), then hand the
+        copies to the store."""
         if not specs:
             return
         start = time.perf_counter()
-        done = 0
+        copied: list[bytes] = []
         try:
-            for i, buf in self.copier.gather_iter([s.block_ids for s in specs]):
-                spec = specs[i]
+            for _, buf in self.copier.gather_iter([s.block_ids for s in specs]):
                 try:
-                    payload = buf.view()
-                    self.store.put(spec.chunk_hash, payload, spec.num_tokens)
-                    self._count("saved_chunks")
-                    self._count("saved_bytes", len(payload))
+                    copied.append(bytes(buf.view()))
                 finally:
                     buf.release()
-                done = i + 1
         except Exception as exc:  # never fail the step over a cache write
-            failed = specs[done:]
+            failed = specs[len(copied) :]
             log.warning(
                 "kvtier: cannot copy %d chunks out (from %s on): %s",
                 len(failed),
@@ -202,6 +197,13 @@ class WorkerSide:
                 exc_info=True,
             )
             self._count("save_failed_chunks", len(failed))
+        # Handed to the store only once every chunk of the step is copied: its background
+        # writers (disk, S3) start with the first put, and on a few cores they would slow the
+        # rest of these copies, which the request's first token waits for.
+        for spec, payload in zip(specs, copied, strict=False):
+            self.store.put(spec.chunk_hash, payload, spec.num_tokens)
+            self._count("saved_chunks")
+            self._count("saved_bytes", len(payload))
         self._sample("save_copy_seconds", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ stats / shutdown
