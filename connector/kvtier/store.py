@@ -243,6 +243,7 @@ class TieredStore:
             item = self._guard(tier, "get", key, partial(tier.get, key), None)
             elapsed = time.perf_counter() - start
             payload: bytes | None = None
+            verified = 0.0
             if item is not None:
                 checked = time.perf_counter()
                 try:
@@ -253,9 +254,9 @@ class TieredStore:
                     message = f"dropping {key} from {tier.name}: {exc} ({exc.cause})"
                     self._warnings.warning((tier.name, exc.cause), message)
                     self._guard(tier, "delete", key, partial(tier.delete, key), None)
+                verified = time.perf_counter() - checked
             with self._lock:
-                if item is not None:
-                    self._stats.verify_seconds += time.perf_counter() - checked
+                self._stats.verify_seconds += verified
                 ts = self._stats.tiers[tier.name]
                 ts.get_seconds += elapsed
                 ts.get_max_seconds = max(ts.get_max_seconds, elapsed)

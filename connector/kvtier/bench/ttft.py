@@ -116,7 +116,7 @@ _TIMES = {
     "remote lookup": ("kvtier:remote_lookup_seconds_sum", "kvtier:remote_lookups_total"),
     "load (all)": ("kvtier:load_seconds_sum", None),
     "fetch": ("kvtier:load_fetch_seconds_total", None),
-    "of it verify": ("kvtier:load_verify_seconds_total", None),
+    "verify (summed over fetch threads)": ("kvtier:load_verify_seconds_total", None),
     "copy": ("kvtier:load_copy_seconds_total", None),
     "forward pass": ("kvtier:forward_seconds_total", None),
 }

@@ -132,8 +132,8 @@ class WorkerSide:
         self._count("load_copy_seconds", end - copy_start)
         self._load_ended = end
         log.info(
-            "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms, of it "
-            "verify %.1f ms; copy %.1f ms)",
+            "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms, "
+            "verify %.1f ms summed over its threads; copy %.1f ms)",
             loaded_chunks,
             len(specs),
             loaded_tokens,
