@@ -291,8 +291,10 @@ def test_kill_9_under_load_the_server_comes_back_and_its_chunks_still_hit(host: 
     old = _server_pid(host)
     children = host.check_output(f"pgrep -P {old} || true").split()
     host.check_output(f"kill -9 {old}")
+    killed = time.monotonic()
     loader.join()
     _wait_healthy()
+    print(f"kill -9: healthy again {time.monotonic() - killed:.1f} s later; load: {outcomes}")
     assert _server_pid(host) != old
     for child in children:  # the killed server's engine core does not linger
         assert not host.file(f"/proc/{child}").exists, f"pid {child} of the killed server runs"
