@@ -80,7 +80,7 @@ def test_healthy_stack_passes_every_step_and_leaves_production_alone(
     # the warm round's token reference really came from vLLM's prefix cache
     documents_tokens = s.documents * s.document_tokens
     assert by_number[2].values["reference"]["prefix_cache_hit_tokens"] >= 0.9 * documents_tokens
-    assert by_number[3].values["objects"]["s3"] == documents_tokens // 256
+    assert by_number[3].values["objects"]["s3"] == documents_tokens // cfg.chunk_size
     assert by_number[4].values["s3_share"] >= 0.9
     assert by_number[4].values["warm_cold_ttft_ratio"] <= 0.6
     assert "PASSED" in markdown(doc, "test-host").splitlines()[0]
