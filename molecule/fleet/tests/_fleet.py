@@ -89,6 +89,13 @@ class Server:
             timeout=120,
         )
 
+    def started_at(self) -> float | None:
+        """When the serving process started (its /metrics), None while it does not answer."""
+        try:
+            return self.metric("process_start_time_seconds")
+        except OSError:
+            return None
+
     def metric(self, name: str, **labels: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
             return metric_sum(parse_metrics(resp.read().decode()), name, **labels)
@@ -158,6 +165,8 @@ class Stream:
 
     send: Callable[[int], Completion]
     limit: int = 400
+    #: Checked before each request: the stream ends once it returns True.
+    until: Callable[[], bool] | None = None
     completions: list[Completion] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -170,7 +179,7 @@ class Stream:
 
     def _run(self) -> None:
         for i in range(self.limit):
-            if self._stop.is_set():
+            if self._stop.is_set() or (self.until is not None and self.until()):
                 return
             try:
                 self.completions.append(self.send(i))

@@ -1,14 +1,50 @@
 """The converged fleet as its operator sees it: four separate hosts (network namespaces), each
 with its own processes, addresses, paths and supervisord; serving hosts that reach RGW only
 through their local, health-checked endpoint over both RGW hosts; and the cross-node step of
-kv_verify, which proved that serve2 loads from Ceph what serve1 computed."""
+kv_verify, which proved that serve2 loads from Ceph what serve1 computed. First of all, a
+second run of the site's hosts' plays (all but the serving play) changes nothing."""
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
-from _fleet import SERVING, STORAGE, address, host, report, server, supervisorctl
+from _fleet import (
+    SERVING,
+    STORAGE,
+    address,
+    host,
+    playbook,
+    recap,
+    report,
+    server,
+    supervisorctl,
+)
+
+
+def test_a_second_run_changes_nothing_on_any_host() -> None:
+    """Idempotence where four hosts differ from one: Ceph on storage1 with storage2's radosgw
+    as its client, the serving hosts' local S3 endpoints, AWS profiles, disk tiers and gateway
+    profiles, each under per-host names. (The serving play's second run is the embedded
+    default's idempotence test; here its rollouts are test_3's.)"""
+    run = playbook("site.yml", "--tags", "ceph,nvme_cache,gateway_profile")
+    assert run.returncode == 0, recap(run) + run.stdout[-3000:]
+    counts = dict(re.findall(r"^(\w+)\s*:\s*ok=\d+\s+changed=(\d+)", run.stdout, re.M))
+    assert set(counts) == {*STORAGE, *SERVING}, recap(run)
+    changed = {name: int(n) for name, n in counts.items() if int(n)}
+    assert not changed, f"second run changed something on {changed}: {_changed_tasks(run.stdout)}"
+
+
+def _changed_tasks(out: str) -> list[str]:
+    """'TASK [...] -> changed: [host]' for each change in an ansible-playbook output."""
+    found, task = [], ""
+    for line in out.splitlines():
+        if line.startswith("TASK ["):
+            task = line.split("]")[0] + "]"
+        elif line.startswith("changed: ["):
+            found.append(f"{task} -> {line.split(' =>')[0]}")
+    return found
 
 
 @pytest.mark.parametrize("name", [*STORAGE, *SERVING])
