@@ -168,6 +168,11 @@ class KvtierConfig(BaseModel):
     #: S3 client: ``boto3``, ``crt`` (awscrt S3Client) or ``auto`` (PUT via awscrt, GET/HEAD via
     #: boto3: the faster/cheaper one per operation as measured, see docs/benchmarks.md).
     s3_client: Literal["auto", "boto3", "crt"] = "auto"
+    #: Consecutive chunks of a prompt stored in one S3 object (fewer, larger requests: the
+    #: lookup, the reads and the writes cost a request per object, not per chunk). 0: as many
+    #: as fit in 4 MiB, from the model's KV bytes per chunk (1 when one chunk is larger).
+    #: Part of the layout fingerprint: hosts sharing a bucket must agree.
+    remote_chunks_per_object: int = Field(default=0, ge=0, le=64)
     #: Directory where each process writes its stats snapshot (``kvtier stats`` reads it).
     #: Default: ``<local_disk>/.kvtier-stats`` when the disk tier is on, else off.
     stats_dir: str | None = None
@@ -272,7 +277,11 @@ _KINDS = {
     "string_type": "a string",
     "model_type": "a mapping",
 }
-_BOUNDS = {"greater_than_equal": ">= {ge:g}", "greater_than": "> {gt:g}"}
+_BOUNDS = {
+    "greater_than_equal": ">= {ge:g}",
+    "greater_than": "> {gt:g}",
+    "less_than_equal": "<= {le:g}",
+}
 
 
 def _config_error(exc: ValidationError, values: Mapping[str, Any], where: str) -> ConfigError:

@@ -14,9 +14,15 @@ Header (little-endian)::
     padding   to 64 bytes
 
 The header names the layout and the chunk, so a blob copied under another key or written under
-another layout is rejected, not read as KV. xxh3_64 was picked by measurement (docs/benchmarks.md):
-~26 GB/s vs crc32 ~4 GB/s and blake2b ~0.8 GB/s on this 2-core machine, so verifying a chunk
-never dominates a disk or memory read.
+another layout is rejected, not read as KV. xxh3_64 was picked by measurement
+(docs/benchmarks.md): ~26 GB/s vs crc32 ~4 GB/s and blake2b ~0.8 GB/s on this 2-core machine,
+so verifying a chunk never dominates a disk or memory read.
+
+An S3 object may hold a run of consecutive chunks of one prompt (``remote_chunks_per_object``):
+its body is their blobs one after the other, its key the first chunk's, and its user metadata
+``kvtier-chunks`` lists the short hashes of all of them in order (:func:`encode_chunk_list`), so
+a HEAD tells a lookup which chunks the object holds. An object of one chunk is the chunk's blob
+and may carry no list. :func:`split_object` cuts a body back into blobs.
 """
 
 from __future__ import annotations
@@ -136,3 +142,72 @@ def unpack(
     """Check a whole stored blob; return (payload view, tokens). See :func:`verify`."""
     header, payload = split(blob)
     return payload, verify(header, payload, layout, chunk, verify_payload)
+
+
+#: An object of several chunks is cut at about this size when ``remote_chunks_per_object`` is
+#: 0 (auto): on this RGW a GET costs ~3.4 ms plus ~2.2 ms per MiB (docs/benchmarks.md), so at
+#: 4 MiB the fixed cost is ~30 % of a request instead of ~90 % for a 256 KiB chunk, while a
+#: 16k-token prompt of the tiny model still spreads over 4 GETs in parallel.
+OBJECT_TARGET_BYTES = 4 << 20
+#: Most chunks in one object (its chunk list stays far below S3's 2 KiB of user metadata).
+MAX_OBJECT_CHUNKS = 64
+
+
+def chunks_per_object(payload_bytes: int, configured: int = 0) -> int:
+    """Chunks per S3 object for chunks of ``payload_bytes``: ``configured``, or with 0 as many
+    as ``OBJECT_TARGET_BYTES`` of payload hold (1 for a model whose chunk alone is larger: a
+    7B model's 256-token chunk is 14 MiB)."""
+    if configured > 0:
+        return min(configured, MAX_OBJECT_CHUNKS)
+    return max(1, min(MAX_OBJECT_CHUNKS, OBJECT_TARGET_BYTES // max(1, payload_bytes)))
+
+
+#: S3 user metadata key of a multi-chunk object: its chunks' short hashes, comma-separated.
+CHUNK_LIST_META = "kvtier-chunks"
+#: Hex characters of a chunk hash in a chunk list (8 bytes: a list of 32 chunks is 543 bytes;
+#: a clash only costs a failed load, the header's full hash decides).
+SHORT_HASH_CHARS = 16
+
+
+def short_hash(chunk_id: str) -> str:
+    """The short form of a chunk id (``<hash>`` or ``<namespace>/<hash>``) in a chunk list."""
+    return chunk_id.rpartition("/")[2][:SHORT_HASH_CHARS]
+
+
+def encode_chunk_list(chunk_ids: list[str]) -> str:
+    return ",".join(short_hash(c) for c in chunk_ids)
+
+
+def decode_chunk_list(value: str | None) -> list[str]:
+    """The short hashes of an object's ``kvtier-chunks``; [] when it has none."""
+    return [v for v in (value or "").split(",") if v]
+
+
+def split_object(
+    header: bytes | memoryview, rest: bytes | memoryview
+) -> tuple[list[tuple[bytes, bytes]], FormatError | None]:
+    """The (header, payload) blobs of an object read as its first ``HEADER_SIZE`` bytes and the
+    rest, and what broke the walk through them: each blob's length comes from its own header,
+    so a header that is not kvtier's (``bad_magic``) or a length past the end (``truncated``)
+    ends it, with the blobs before it returned. The blobs are verified by the caller
+    (:func:`verify`)."""
+    blobs: list[tuple[bytes, bytes]] = []
+    head: bytes | memoryview = header
+    offset = 0
+    while True:
+        fields = read_header(head)
+        if fields is None:
+            cause = "truncated" if len(head) < HEADER_SIZE else "bad_magic"
+            return blobs, FormatError(cause, f"blob {len(blobs)} of the object is not a chunk")
+        end = offset + fields.length
+        if end > len(rest):
+            left = len(rest) - offset
+            return blobs, FormatError(
+                "truncated", f"blob {len(blobs)} needs {fields.length} bytes, {left} left"
+            )
+        whole = offset == 0 and end == len(rest)  # one chunk: its payload as read, no copy
+        payload = rest if whole and isinstance(rest, bytes) else bytes(rest[offset:end])
+        blobs.append((bytes(head), payload))
+        if end == len(rest):
+            return blobs, None
+        head, offset = rest[end : end + HEADER_SIZE], end + HEADER_SIZE

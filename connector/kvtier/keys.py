@@ -110,9 +110,14 @@ class LayoutFingerprint:
     tp_rank: int
     tp_size: int
     kv_layout: str
+    #: Chunks per S3 object (kvtier.format): hosts that cut runs differently share nothing.
+    object_chunks: int = 1
 
     def canonical(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        if self.object_chunks == 1:  # an object per chunk: the digests from before runs existed
+            del fields["object_chunks"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> str:
         """32 hex characters (16 bytes)."""

@@ -1,5 +1,7 @@
 """How many leading chunks of a prompt a remote tier holds, asking it a few times only.
 
+With one chunk per object (:func:`leading_present`):
+
 A chunk's key covers its whole prefix (chained hashes) and chunks are saved in prefix order, so
 along one prompt presence is monotone: chunks 0..k-1 are stored, k.. are not. That makes the
 answer a search, not a scan of one request per chunk:
@@ -17,9 +19,12 @@ the missing chunk fails and vLLM recomputes from there.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 #: Probes per round of the search (4: three in parallel, then the interval shrinks by 4).
 FANOUT = 4
+#: Objects asked per round of the walk over objects of several chunks.
+WALK_ROUND = 4
 
 
 def leading_present(
@@ -53,3 +58,64 @@ def leading_present(
             new_lo = p
         lo, hi = new_lo, new_hi
     return lo + 1, asked
+
+
+@dataclass(frozen=True)
+class RemotePrefix:
+    """What a remote tier holds of a prompt: its first ``found`` chunks, in ``objects`` (first
+    chunk index, chunks of the prompt in that object), which cover chunks 0..found-1 in order;
+    ``requests`` made to find out."""
+
+    found: int = 0
+    objects: tuple[tuple[int, int], ...] = ()
+    requests: int = 0
+
+    def object_of(self, chunk: int) -> tuple[int, int]:
+        """(first chunk index of the object holding ``chunk``, its position in that object)."""
+        for first, count in self.objects:
+            if first <= chunk < first + count:
+                return first, chunk - first
+        return chunk, 0
+
+
+def walk_objects(
+    heads: Callable[[Sequence[str]], list[list[str] | None]],
+    keys: Sequence[str],
+    shorts: Sequence[str],
+    span: int,
+) -> RemotePrefix:
+    """The chain of objects of several chunks that holds a prompt's leading chunks.
+
+    An object is keyed by its first chunk (``keys[i]`` is chunk i's key) and lists its chunks
+    (``shorts[i]`` is chunk i's short hash). Writers start a new object where what the tier held
+    ended and cut it every ``span`` chunks, so from a position ``p`` the next objects most
+    likely start at p, p+span, p+2*span... (``span``: a first guess, then the length of the last
+    object found): each round asks for ``WALK_ROUND`` of them at once and follows the chain
+    while the guesses hold. An object whose chunks stop matching the
+    prompt ends its part of the chain there (another prompt wrote the rest); the walk then asks
+    for an object starting at that chunk. It ends at the first absent object.
+    """
+    n = len(keys)
+    objects: list[tuple[int, int]] = []
+    p = asked = 0
+    while p < n:
+        guesses = [g for g in range(p, p + WALK_ROUND * span, span) if g < n]
+        answers = heads([keys[g] for g in guesses])
+        asked += len(guesses)
+        for g, listed in zip(guesses, answers, strict=True):
+            if g != p:  # the chain did not reach this guess: ask again from where it is
+                break
+            if listed is None:
+                return RemotePrefix(p, tuple(objects), asked)
+            listed = listed or [shorts[g]]
+            m = 0
+            while m < len(listed) and g + m < n and listed[m] == shorts[g + m]:
+                m += 1
+            if m == 0:  # under this chunk's key, another chunk: unusable
+                return RemotePrefix(p, tuple(objects), asked)
+            objects.append((g, m))
+            p = g + m
+            if m < len(listed):  # the rest is another prompt's: ask for an object starting at p
+                break
+            span = len(listed)  # the next ones most likely hold as many (one writer's cut)
+    return RemotePrefix(p, tuple(objects), asked)

@@ -1,16 +1,19 @@
 """TieredStore: longest-prefix lookup across tiers, verified reads with promotion, write-through.
 
-Tiers are ordered fastest first (CPU, disk, S3). ``put`` stores into the CPU tier at once and
-writes the slower tiers in the background (bounded: beyond ``s3_max_inflight_reqs`` writes or
-``max_write_backlog_size`` bytes in flight, new ones are dropped and counted rather than queued
-without limit). A remote tier sits behind a circuit breaker (kvtier.tiers.guard), and its
-lookup is a search of a few requests (kvtier.prefix), not one per chunk. ``get`` reads the
-fastest tier holding the chunk, verifies the header and checksum, and copies the chunk into the
-faster tiers. Payloads are passed by reference between tiers (bytes are immutable): the CPU tier
-holds the caller's object, and a read returns the payload object the tier produced. Every
-failure in the data path (I/O error, timeout, corrupt blob, full disk) is a miss: counted per
-tier by cause and logged (at most once per cause and tier every few seconds: a dead endpoint
-must not write a warning per chunk), never raised into the caller.
+Tiers are ordered fastest first (CPU, disk, S3). ``put`` (one chunk) and ``put_run`` (a run of
+consecutive chunks of one prompt) store into the CPU tier at once and write the slower tiers in
+the background; the remote tier gets a run as one object (kvtier.format), which cuts its
+per-request cost for models with little KV per chunk. Background writes are bounded: beyond
+``s3_max_inflight_reqs`` writes or ``max_write_backlog_size`` bytes in flight, new ones are
+dropped and counted rather than queued without limit. A remote tier sits behind a circuit
+breaker (kvtier.tiers.guard), and its lookup is a search of a few requests (kvtier.prefix), not
+one per chunk. ``get_many`` reads each chunk from the fastest local tier holding it and the rest
+from the remote tier, one GET per object, verifies header and checksum, and copies what the
+remote tier gave into the faster tiers. Payloads are passed by reference between tiers (bytes
+are immutable): the CPU tier holds the caller's object, and a read returns the payload object
+the tier produced. Every failure in the data path (I/O error, timeout, corrupt blob, full disk)
+is a miss: counted per tier by cause and logged (at most once per cause and tier every few
+seconds: a dead endpoint must not write a warning per chunk), never raised into the caller.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
 from kvtier.config import KvtierConfig
-from kvtier.format import FormatError, pack_header, verify
-from kvtier.prefix import leading_present
+from kvtier.format import (
+    FormatError,
+    encode_chunk_list,
+    pack_header,
+    short_hash,
+    split_object,
+    verify,
+)
+from kvtier.prefix import RemotePrefix, leading_present, walk_objects
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import StoreStats, TierStats, stats_file_name, write_stats_file
 from kvtier.tiers.base import Stored, Tier, TierError
@@ -44,9 +55,25 @@ def _hash_bytes(chunk_id: str) -> bytes:
     return bytes.fromhex(chunk_id.rpartition("/")[2])
 
 
-def _put_ok(tier: Tier, key: str, item: Stored) -> bool:
-    tier.put(key, item[0], item[1])
+def _put_ok(tier: Tier, items: Sequence[tuple[str, Stored]]) -> bool:
+    """One chunk as a blob of its own, or a run of chunks as one object (a remote tier)."""
+    if len(items) == 1:
+        key, (header, payload) = items[0]
+        tier.put(key, header, payload)
+    else:
+        parts = [part for _, item in items for part in item]
+        tier.put_object(items[0][0], parts, encode_chunk_list([k for k, _ in items]))
     return True
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A chunk to read, and where the remote tier holds it: in the object of the run that
+    starts with chunk ``object_id`` (empty: an object of its own), at ``position``."""
+
+    chunk_id: str
+    object_id: str = ""
+    position: int = 0
 
 
 class TieredStore:
@@ -64,10 +91,14 @@ class TieredStore:
         max_backlog_bytes: int = 1 << 30,
         stats_dir: str | None = None,
         stats_interval: float = 10.0,
+        object_chunks: int = 1,
     ) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
         self.tiers = list(tiers)
+        #: Chunks per object that the remote tier's writers cut runs into (1: an object per
+        #: chunk, found by a search over chunk keys; more: by a walk over objects).
+        self.object_chunks = object_chunks
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.verify_checksums = verify_checksums
@@ -95,8 +126,12 @@ class TieredStore:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, cfg: KvtierConfig, fingerprint: str) -> TieredStore:
-        """Build the tiers ``cfg`` enables (CPU, disk, S3), fastest first."""
+    def from_config(
+        cls, cfg: KvtierConfig, fingerprint: str, object_chunks: int = 1
+    ) -> TieredStore:
+        """Build the tiers ``cfg`` enables (CPU, disk, S3), fastest first; the remote tier's
+        runs are cut every ``object_chunks`` chunks (the connector derives it from the
+        layout: :func:`kvtier.vllm.layout.chunks_per_object`)."""
         tiers: list[Tier] = []
         if cfg.local_cpu and cfg.cpu_bytes > 0:
             from kvtier.tiers.cpu import CpuTier
@@ -130,6 +165,7 @@ class TieredStore:
             max_backlog_bytes=cfg.write_backlog_bytes,
             stats_dir=cfg.stats_path,
             stats_interval=cfg.stats_interval_secs,
+            object_chunks=object_chunks,
         )
 
     def key(self, chunk_hash: str) -> str:
@@ -198,31 +234,38 @@ class TieredStore:
                 break
         return found
 
-    def lookup_remote(self, hashes: Sequence[str]) -> int:
-        """Leading chunks of ``hashes`` the remote tier holds: a search of a few requests
-        (kvtier.prefix). 0 without a remote tier, or when it fails (counted, logged)."""
+    def lookup_remote(self, hashes: Sequence[str], start: int = 0) -> RemotePrefix:
+        """Leading chunks of ``hashes`` the remote tier holds, and the objects that hold them:
+        a search of a few requests (kvtier.prefix). With one chunk per object, it searches from
+        chunk ``start`` on (the local tiers hold the ones before); with runs of chunks, it
+        walks the objects from the first chunk (an object may start before ``start``).
+        Nothing found without a remote tier, or when it fails (counted, logged)."""
         remote = self.remote_tier
-        if remote is None or not hashes:
-            return 0
+        if remote is None or start >= len(hashes):
+            return RemotePrefix(found=start)
         keys = [self.key(h) for h in hashes]
-        start = time.perf_counter()
+        begin = time.perf_counter()
 
-        def search() -> tuple[int, int]:
-            return leading_present(remote.contains_many, keys)
+        def search() -> RemotePrefix:
+            if self.object_chunks == 1:
+                found, asked = leading_present(remote.contains_many, keys[start:])
+                return RemotePrefix(start + found, (), asked)
+            shorts = [short_hash(h) for h in hashes]
+            return walk_objects(remote.heads, keys, shorts, self.object_chunks)
 
-        found, asked = self._guard(remote, "lookup", keys[0], search, (0, 0))
+        result = self._guard(remote, "lookup", keys[start], search, RemotePrefix(found=start))
         with self._lock:
             self._stats.remote_lookups += 1
-            self._stats.remote_lookup_requests += asked
-            self._stats.remote_lookup_seconds += time.perf_counter() - start
-        return found
+            self._stats.remote_lookup_requests += result.requests
+            self._stats.remote_lookup_seconds += time.perf_counter() - begin
+        return result
 
     def lookup_prefix(self, hashes: Sequence[str]) -> int:
         """Leading chunks of ``hashes`` present in some tier (asked now, not cached): the local
         tiers first, the remote tier for what follows."""
         found = self.lookup_local(hashes)
         if found < len(hashes):
-            found += self.lookup_remote(hashes[found:])
+            found = max(found, self.lookup_remote(hashes, found).found)
         self.count_lookup(len(hashes), found)
         return found
 
@@ -235,98 +278,171 @@ class TieredStore:
     # ------------------------------------------------------------------ read
     def get(self, chunk_hash: str) -> bytes | None:
         """The verified payload of a chunk, promoted into faster tiers; ``None`` is a miss."""
-        key = self.key(chunk_hash)
-        chunk = _hash_bytes(chunk_hash)
-        result: bytes | None = None
-        for level, tier in enumerate(self.tiers):
-            start = time.perf_counter()
-            item = self._guard(tier, "get", key, partial(tier.get, key), None)
-            elapsed = time.perf_counter() - start
-            payload: bytes | None = None
-            verified = 0.0
-            if item is not None:
-                checked = time.perf_counter()
-                try:
-                    verify(item[0], item[1], self._layout, chunk, self.verify_checksums)
-                    payload = item[1]
-                except FormatError as exc:
-                    self._count_error(tier, exc.cause)
-                    message = f"dropping {key} from {tier.name}: {exc} ({exc.cause})"
-                    self._warnings.warning((tier.name, exc.cause), message)
-                    self._guard(tier, "delete", key, partial(tier.delete, key), None)
-                verified = time.perf_counter() - checked
+        return self.get_many([chunk_hash])[0]
+
+    def get_many(self, refs: Sequence[str | ChunkRef]) -> list[bytes | None]:
+        """Verified payloads, in the order asked (``None``: a miss). Each chunk comes from the
+        fastest local tier that holds it (asked one by one: memory and page cache answer
+        faster than a thread hand-off), the rest from the remote tier, its objects fetched in
+        parallel (one GET for the chunks of one object)."""
+        wanted = [r if isinstance(r, ChunkRef) else ChunkRef(r) for r in refs]
+        results = [self._get_local(r.chunk_id) for r in wanted]
+        remote = self.remote_tier
+        missing: dict[str, list[int]] = {}
+        for i, payload in enumerate(results):
+            if payload is None and remote is not None:
+                missing.setdefault(wanted[i].object_id or wanted[i].chunk_id, []).append(i)
+        if remote is not None and missing:
+
+            def fetch(item: tuple[str, list[int]]) -> list[bytes | None]:
+                return self._get_object(remote, item[0], [wanted[i] for i in item[1]])
+
+            jobs = list(missing.items())
+            batches = map(fetch, jobs) if len(jobs) == 1 else self._io.map(fetch, jobs)
+            for (_, indices), payloads in zip(jobs, batches, strict=True):
+                for i, payload in zip(indices, payloads, strict=True):
+                    results[i] = payload
+        with self._lock:
+            self._stats.gets += len(wanted)
+            self._stats.get_hits += sum(p is not None for p in results)
+        return results
+
+    def _verified(self, tier: Tier, key: str, item: Stored, chunk_id: str) -> bytes | None:
+        """The payload of a blob read from ``tier`` if it passes verification; else the blob
+        (the object holding it) is dropped from the tier and None returned."""
+        checked = time.perf_counter()
+        try:
+            verify(item[0], item[1], self._layout, _hash_bytes(chunk_id), self.verify_checksums)
+            return item[1]
+        except FormatError as exc:
+            self._drop(tier, key, exc)
+            return None
+        finally:
             with self._lock:
-                self._stats.verify_seconds += verified
-                ts = self._stats.tiers[tier.name]
-                ts.get_seconds += elapsed
-                ts.get_max_seconds = max(ts.get_max_seconds, elapsed)
+                self._stats.verify_seconds += time.perf_counter() - checked
+
+    def _drop(self, tier: Tier, key: str, exc: FormatError) -> None:
+        """A blob that must not be read as KV: counted by cause, logged, deleted."""
+        self._count_error(tier, exc.cause)
+        self._warnings.warning(
+            (tier.name, exc.cause), f"dropping {key} from {tier.name}: {exc} ({exc.cause})"
+        )
+        self._guard(tier, "delete", key, partial(tier.delete, key), None)
+
+    def _count_read(self, tier: Tier, seconds: float, payloads: Sequence[bytes | None]) -> None:
+        with self._lock:
+            ts = self._stats.tiers[tier.name]
+            ts.get_seconds += seconds
+            ts.get_max_seconds = max(ts.get_max_seconds, seconds)
+            for payload in payloads:
                 if payload is None:
                     ts.misses += 1
                 else:
                     ts.hits += 1
                     ts.bytes_read += len(payload)
+
+    def _get_local(self, chunk_id: str) -> bytes | None:
+        """The chunk from the fastest local tier holding it (promoted into the faster ones)."""
+        key = self.key(chunk_id)
+        for level, tier in enumerate(self.local_tiers):
+            start = time.perf_counter()
+            item = self._guard(tier, "get", key, partial(tier.get, key), None)
+            payload = self._verified(tier, key, item, chunk_id) if item is not None else None
+            self._count_read(tier, time.perf_counter() - start, [payload])
             if payload is not None and item is not None:
-                self._promote(key, item, level)
-                result = payload
+                self._promote([(key, item)], level)
+                return payload
+        return None
+
+    def _get_object(
+        self, remote: Tier, object_id: str, refs: Sequence[ChunkRef]
+    ) -> list[bytes | None]:
+        """The chunks ``refs`` from the remote tier's object of ``object_id``: one GET, each
+        chunk verified at its position, in order. The first one that fails verification (or
+        that a damaged object no longer holds) drops the object (counted by cause, logged),
+        and the chunks after it are misses, as after a missing chunk."""
+        key = self.key(object_id)
+        start = time.perf_counter()
+        item = self._guard(remote, "get", key, partial(remote.get, key), None)
+        payloads: list[bytes | None] = [None] * len(refs)
+        blobs, broken = split_object(*item) if item is not None else ([], None)
+        promoted: list[tuple[str, Stored]] = []
+        for i, ref in sorted(enumerate(refs), key=lambda iref: iref[1].position):
+            if ref.position >= len(blobs):
+                if broken is not None:
+                    self._drop(remote, key, broken)
                 break
-        with self._lock:
-            self._stats.gets += 1
-            self._stats.get_hits += result is not None
-        return result
+            payloads[i] = self._verified(remote, key, blobs[ref.position], ref.chunk_id)
+            if payloads[i] is None:
+                break  # dropped: the chunks after this one are not read
+            promoted.append((self.key(ref.chunk_id), blobs[ref.position]))
+        self._count_read(remote, time.perf_counter() - start, payloads)
+        self._promote(promoted, self.tiers.index(remote))
+        return payloads
 
-    def get_many(self, hashes: Sequence[str]) -> list[bytes | None]:
-        """``get`` for each hash, in parallel; same order as ``hashes``."""
-        if len(hashes) <= 1:
-            return [self.get(h) for h in hashes]
-        return list(self._io.map(self.get, hashes))
-
-    def _promote(self, key: str, item: Stored, level: int) -> None:
+    def _promote(self, items: Sequence[tuple[str, Stored]], level: int) -> None:
         for tier in self.tiers[:level]:
-            if tier.name == "cpu":
-                self._write(tier, key, item)
-            else:
-                self._write_async(tier, key, item)
+            for key, item in items:
+                if tier.name == "cpu":
+                    self._write(tier, [(key, item)])
+                else:
+                    self._write_async(tier, [(key, item)])
 
     # ------------------------------------------------------------------ write
     def put(self, chunk_hash: str, payload: bytes | memoryview, num_tokens: int) -> None:
         """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
-        key = self.key(chunk_hash)
-        if not isinstance(payload, bytes):  # a view of a buffer the caller will reuse
-            payload = bytes(payload)
-        item = (pack_header(self._layout, _hash_bytes(chunk_hash), num_tokens, payload), payload)
-        with self._lock:
-            self._stats.puts += 1
-            self._stats.put_bytes += len(payload)
-        for tier in self.tiers:
-            if tier.name == "cpu":
-                self._write(tier, key, item)
-            else:
-                self._write_async(tier, key, item)
+        self.put_run([(chunk_hash, payload, num_tokens)])
 
-    def _write(self, tier: Tier, key: str, item: Stored) -> None:
+    def put_run(self, chunks: Sequence[tuple[str, bytes | memoryview, int]]) -> None:
+        """Store consecutive chunks of one prompt, each (hash, payload, tokens): every tier but
+        the remote one as chunks; the remote tier as one object keyed by the first chunk.
+        Never raises on I/O."""
+        if not chunks:
+            return
+        items: list[tuple[str, Stored]] = []
+        for chunk_hash, data, num_tokens in chunks:
+            # a view of a buffer the caller will reuse: copied once, here
+            payload = data if isinstance(data, bytes) else bytes(data)
+            header = pack_header(self._layout, _hash_bytes(chunk_hash), num_tokens, payload)
+            items.append((self.key(chunk_hash), (header, payload)))
+        with self._lock:
+            self._stats.puts += len(items)
+            self._stats.put_bytes += sum(len(item[1]) for _, item in items)
+        for tier in self.tiers:
+            if tier.remote:
+                self._write_async(tier, items)
+            elif tier.name == "cpu":
+                for one in items:
+                    self._write(tier, [one])
+            else:
+                for one in items:
+                    self._write_async(tier, [one])
+
+    def _write(self, tier: Tier, items: Sequence[tuple[str, Stored]]) -> None:
         start = time.perf_counter()
-        ok = self._guard(tier, "put", key, partial(_put_ok, tier, key, item), False)
+        key = items[0][0]
+        ok = self._guard(tier, "put", key, partial(_put_ok, tier, items), False)
         elapsed = time.perf_counter() - start
         with self._lock:
             ts = self._stats.tiers[tier.name]
             ts.put_seconds += elapsed
             if ok:
-                ts.puts += 1
-                ts.bytes_written += len(item[0]) + len(item[1])
+                ts.puts += len(items)
+                ts.bytes_written += sum(len(h) + len(p) for _, (h, p) in items)
 
-    def _write_async(self, tier: Tier, key: str, item: Stored) -> None:
-        size = len(item[0]) + len(item[1])
+    def _write_async(self, tier: Tier, items: Sequence[tuple[str, Stored]]) -> None:
+        size = sum(len(h) + len(p) for _, (h, p) in items)
         with self._lock:
             full = self._inflight >= self._max_inflight or self._backlog + size > self._max_backlog
             if self._closed or full:
-                self._stats.dropped_writes += 1
+                self._stats.dropped_writes += len(items)
                 errs = self._stats.tiers[tier.name].errors
-                errs["backpressure"] = errs.get("backpressure", 0) + 1
+                errs["backpressure"] = errs.get("backpressure", 0) + len(items)
                 return
             self._inflight += 1
             self._backlog += size
         try:
-            fut: Future[None] = self._writer.submit(self._write, tier, key, item)
+            fut: Future[None] = self._writer.submit(self._write, tier, items)
         except RuntimeError:  # executor shut down between the check and the submit
             self._write_done(size, None)
             return

@@ -188,9 +188,10 @@ class _FakeS3Tier:
     def object_key(self, key: str) -> str:
         return f"pre/{key}"
 
-    def contains_many(self, keys: list[str]) -> list[bool]:
+    def heads(self, keys: list[str]) -> list[list[str] | None]:
+        """Objects of one chunk each (they list no chunks)."""
         self.asked += keys
-        return [k in self.present for k in keys]
+        return [[] if k in self.present else None for k in keys]
 
     def close(self) -> None:
         pass

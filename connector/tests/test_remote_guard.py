@@ -134,7 +134,7 @@ def test_the_store_searches_the_remote_tier_and_counts_what_it_asked() -> None:
     store = TieredStore([GuardedTier(tier, _breaker(tier))], FP)
     hashes = [f"{i:032x}" for i in range(64)]
     tier.keys = {store.key(h) for h in hashes[:40]}
-    assert store.lookup_remote(hashes) == 40
+    assert store.lookup_remote(hashes).found == 40
     stats = store.stats()
     assert stats.remote_lookups == 1 and 2 < stats.remote_lookup_requests <= 12
     store.close()

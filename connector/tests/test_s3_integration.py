@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 from _helpers import FINGERPRINT, chunks
 
+from kvtier.admin.chunks import count_chunks
 from kvtier.cli import main as cli_main
 from kvtier.config import KvtierConfig, load_config
 from kvtier.format import HEADER_SIZE
-from kvtier.store import TieredStore
+from kvtier.store import ChunkRef, TieredStore
 from kvtier.tiers.s3_boto3 import make_boto3_client
 
 pytestmark = pytest.mark.integration
@@ -125,6 +126,44 @@ def test_chunks_survive_a_restart_through_s3(s3: tuple[S3Env, str], client: str)
         assert store.get_many(hashes) == [p for _, p in data]
         st = store.stats()
     assert st.tiers["s3"].hits == 5 and st.tiers["s3"].errors == {}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_runs_of_chunks_are_one_object_each_found_and_read_back(
+    s3: tuple[S3Env, str], client: str
+) -> None:
+    """Runs of 4 chunks: one object each, with the chunk list a HEAD returns; a new process
+    walks them and reads each object with one GET; a second prompt that shares the first 6
+    chunks finds those 6 and stores its own from chunk 6 on, leaving the first prompt's intact.
+    """
+    env, prefix = s3
+    cfg = load_config(env.write_config(prefix, s3_client=client, remote_chunks_per_object=4))
+    data = chunks(10, size=100 * 1024)
+    hashes = [h for h, _ in data]
+    with TieredStore.from_config(cfg, FINGERPRINT, object_chunks=4) as store:
+        for first in range(0, 10, 4):
+            store.put_run([(h, p, 256) for h, p in data[first : first + 4]])
+        assert store.flush(30)
+    objs = _objects(cfg)
+    assert sorted(objs.values()) == sorted(
+        [4 * (100 * 1024 + HEADER_SIZE)] * 2 + [2 * (100 * 1024 + HEADER_SIZE)]
+    )
+    assert count_chunks(cfg, cfg.namespace) == {"s3": 10}
+    with TieredStore.from_config(cfg, FINGERPRINT, object_chunks=4) as store:
+        found = store.lookup_remote(hashes)
+        assert found.found == 10 and found.objects == ((0, 4), (4, 4), (8, 2))
+        refs = [ChunkRef(h, hashes[found.object_of(k)[0]], k % 4) for k, h in enumerate(hashes)]
+        assert store.get_many(refs) == [p for _, p in data]
+        other = [*data[:6], *chunks(4, size=100 * 1024, seed=7)]
+        mine = [h for h, _ in other]
+        assert store.lookup_remote(mine).found == 6
+        store.put_run([(h, p, 256) for h, p in other[6:]])
+        assert store.flush(30)
+        walked = store.lookup_remote(mine)
+        assert walked.found == 10 and walked.objects == ((0, 4), (4, 2), (6, 4))
+        assert store.lookup_remote(hashes).found == 10
+        st = store.stats()
+    assert st.tiers["s3"].hits == 10 and st.tiers["s3"].errors == {}
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -278,7 +317,8 @@ def test_ls_stats_and_purge(
     assert cli_main(["ls", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"tenant-a/{FINGERPRINT}\t4 chunks" in out
-    assert out.count("4 chunks") == 4  # disk + s3 totals and per-layout lines
+    # disk and s3 totals and per-layout lines (a chunk put alone is an object of its own)
+    assert out.count("4 chunks") == 2 and out.count("4 objects") == 2
 
     assert cli_main(["stats", "--config", str(path)]) == 0
     out = capsys.readouterr().out
@@ -294,7 +334,7 @@ def test_ls_stats_and_purge(
     assert len(_objects(cfg)) == 4
     assert cli_main(["purge", "--config", str(path), "--yes"]) == 0
     out = capsys.readouterr().out
-    assert "disk: deleted 4 chunks" in out and "s3: deleted 4 chunks" in out
+    assert "disk: deleted 4 chunks" in out and "s3: deleted 4 objects" in out
     assert _objects(cfg) == {}
     assert not list((tmp_path / "disk").rglob("*.kvt"))
 

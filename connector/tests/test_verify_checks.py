@@ -158,7 +158,7 @@ def test_a_healthy_server_passes_every_step(
          "(max_model_len): expected <= 500, measured 544 (512 + 32)"),
         ("cold_hits", "step 2 (cold round): prompt tokens served by kvtier: expected 0, "
          "measured 512"),
-        ("lost_object", "step 3 (restart vLLM, clear the host's local tiers): chunk objects in "
+        ("lost_object", "step 3 (restart vLLM, clear the host's local tiers): chunks in "
          "the bucket (namespace): expected 4 (2 documents x 2 chunks), measured 3"),
         ("s3_share", "step 4 (warm round (from Ceph only)): share of prompt tokens served by the "
          "S3 tier: expected >= 0.9, measured 0.500 (512 of 1024 tokens)"),

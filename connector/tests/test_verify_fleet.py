@@ -123,7 +123,7 @@ def test_a_peer_that_loads_everything_from_ceph_passes(
 @pytest.mark.parametrize(
     ("fault", "failure"),
     [
-        ("lost", "step 2 (chunks in the bucket): chunk objects in the bucket (namespace): "
+        ("lost", "step 2 (chunks in the bucket): chunks in the bucket (namespace): "
          "expected 4 (2 documents x 2 chunks), measured 3"),
         ("miss", "step 3 (serve2 loads from Ceph what serve1 computed): share of prompt tokens "
          "served by the S3 tier: expected >= 0.9, measured 0.000 (0 of 1024 tokens)"),

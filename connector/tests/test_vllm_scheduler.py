@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import pytest
 
 from kvtier.keys import chunk_hashes
+from kvtier.prefix import RemotePrefix
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 
 CHUNK, BLOCK = 256, 128
@@ -163,24 +164,24 @@ def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
     assert not plan.loads and not plan.saves
 
 
-def _remote(answer: Future[int]) -> SchedulerSide:
+def _remote(answer: Future[RemotePrefix]) -> SchedulerSide:
     return SchedulerSide(
         chunk_size=CHUNK,
         block_size=BLOCK,
         save_unfull_chunk=False,
         cpu_index=CpuTierIndex(0),
         local_lookup=lambda hashes: 0,
-        remote_lookup=lambda hashes: answer,
+        remote_lookup=lambda hashes, start: answer,
         lookup_timeout=0.2,
     )
 
 
 def test_a_pending_remote_lookup_answers_not_yet_then_the_hit() -> None:
     prompt = list(range(1024))  # four chunks
-    answer: Future[int] = Future()
+    answer: Future[RemotePrefix] = Future()
     s = _remote(answer)
     assert s.num_new_matched_tokens("r", prompt, 0) is None  # vLLM schedules others meanwhile
-    answer.set_result(4)
+    answer.set_result(RemotePrefix(found=4))
     assert s.num_new_matched_tokens("r", prompt, 0) == 896
     assert s.counters.take()["remote_lookups"] == 1
 
@@ -200,6 +201,6 @@ def test_a_remote_lookup_that_does_not_answer_in_time_is_a_miss_not_a_wait() -> 
 
 
 def test_a_failing_remote_lookup_is_a_miss() -> None:
-    answer: Future[int] = Future()
+    answer: Future[RemotePrefix] = Future()
     answer.set_exception(RuntimeError("boom"))
     assert _remote(answer).num_new_matched_tokens("r", list(range(1024)), 0) == 0

@@ -30,15 +30,24 @@ def delete_keys(tier: Tier, keys: list[str]) -> int:
     return len(keys)
 
 
+def chunks_held(tier: Tier, keys: list[str]) -> int:
+    """Chunks in the objects ``keys`` of ``tier``: an object of a run lists its chunks (asked
+    with a HEAD each, in parallel on a remote tier), any other holds one."""
+    if not tier.remote:
+        return len(keys)
+    return sum(max(1, len(listed or ())) for listed in tier.heads(keys))
+
+
 def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
-    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``).
+    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``); on S3
+    several chunks may share an object (kvtier.format).
 
     Raises `TierError` when a tier cannot be listed.
     """
     counts: dict[str, int] = {}
     for tier in persistent_tiers(cfg, only):
         try:
-            counts[tier.name] = sum(1 for _ in tier.list_keys(f"{namespace}/"))
+            counts[tier.name] = chunks_held(tier, [k for k, _ in tier.list_keys(f"{namespace}/")])
         finally:
             tier.close()
     return counts

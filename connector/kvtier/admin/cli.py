@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     common(ls)
     ls.add_argument("--namespace", help="only this namespace (default: all)")
     ls.add_argument("--tier", choices=("disk", "s3"), help="only this tier (default: both)")
-    ls.add_argument("-l", "--long", action="store_true", help="one line per chunk")
+    ls.add_argument("-l", "--long", action="store_true", help="one line per chunk (S3: per object)")
     ls.set_defaults(func=cmd_ls)
 
     stats = subparsers.add_parser("stats", help="hit/miss/error counters written by the store")
@@ -103,10 +103,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         where = cfg.local_disk if tier.name == "disk" else f"{cfg.remote_url}"
         total = sum(g[0] for g in groups.values())
         size = sum(g[1] for g in groups.values())
-        print(f"{tier.name} ({where}): {total} chunks, {size / _MIB:.1f} MiB")
+        unit = _unit(tier)
+        print(f"{tier.name} ({where}): {total} {unit}, {size / _MIB:.1f} MiB")
         for name, (count, nbytes) in sorted(groups.items()):
-            print(f"  {name}\t{count} chunks\t{nbytes / _MIB:.1f} MiB")
+            print(f"  {name}\t{count} {unit}\t{nbytes / _MIB:.1f} MiB")
     return status
+
+
+def _unit(tier: Tier) -> str:
+    """What a key of the tier is: a chunk, or on S3 an object of one chunk or of a run."""
+    return "objects" if tier.remote else "chunks"
 
 
 # ---------------------------------------------------------------------------------------- stats
@@ -175,7 +181,7 @@ def cmd_purge(args: argparse.Namespace, confirm: Callable[[str], str] = input) -
     what = f"namespace {ns!r}" if ns else "all namespaces"
     if args.fingerprint:
         what += f", layouts {args.fingerprint}*"
-    summary = "; ".join(f"{t.name}: {len(k)} chunks, {n / _MIB:.1f} MiB" for t, k, n in plan)
+    summary = "; ".join(f"{t.name}: {len(k)} {_unit(t)}, {n / _MIB:.1f} MiB" for t, k, n in plan)
     if not any(k for _, k, _ in plan):
         print(f"nothing to purge ({what})")
         return 0
@@ -198,5 +204,5 @@ def cmd_purge(args: argparse.Namespace, confirm: Callable[[str], str] = input) -
             return 1
         finally:
             tier.close()
-        print(f"{tier.name}: deleted {deleted} chunks")
+        print(f"{tier.name}: deleted {deleted} {_unit(tier)}")
     return 0

@@ -4,8 +4,9 @@ A tier key is ``<namespace>/<layout fingerprint>/<chunk hash>``. The fingerprint
 layout vLLM picks at run time (model, dtype, block size, kernel, TP rank...), so it is found in
 the tiers: the directories under ``<local_disk>/<namespace>/`` and the common prefixes of an S3
 listing under ``<prefix>/<namespace>/``, or given (``--fingerprint``). Then each chunk key is
-checked: a stat on disk (no tier is built: `DiskTier`'s start-up evicts and cleans up), a HEAD
-on S3. Nothing is written or deleted. The CPU tier lives inside the server: not visible here.
+checked: a stat on disk (no tier is built: `DiskTier`'s start-up evicts and cleans up), on S3
+a walk over the objects that hold the prompt's leading chunks (HEADs; kvtier.prefix). Nothing
+is written or deleted. The CPU tier lives inside the server: not visible here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from kvtier.config import KvtierConfig
 from kvtier.explain.prompts import ExplainError
+from kvtier.format import short_hash
+from kvtier.prefix import walk_objects
 from kvtier.tiers.base import TierError
 from kvtier.tiers.disk import chunk_path
 
@@ -107,7 +110,10 @@ class CacheView:
             out["disk"] = [os.path.exists(chunk_path(root, k)) for k in keys]
         if self._s3 is not None:
             try:
-                out["s3"] = self._s3.contains_many(keys)
+                # Objects may hold runs of chunks (kvtier.format): walk them from the first.
+                shorts = [short_hash(h) for h in hashes]
+                found = walk_objects(self._s3.heads, keys, shorts, span=1).found
+                out["s3"] = [k < found for k in range(len(keys))]
             except TierError as exc:
                 self.errors["s3"] = str(exc)
                 out["s3"] = None

@@ -5,8 +5,9 @@ nothing is downloaded) and prints: KV bytes per token and per chunk, how many ch
 conversations each tier holds, the hit rate per tier under LRU (an analytic estimate and a
 simulation of the store's tiers; their difference is printed), the TTFT saved (from the prefill
 throughput and the tiers' bandwidth, given or measured by `kvtier bench ttft|store`), and the
-S3 requests and bandwidth the fleet puts on RGW (one object per chunk and TP rank: HEADs for
-lookups, GETs for hits, PUTs for computed chunks).
+S3 requests and bandwidth the fleet puts on RGW (one object per run of chunks and TP rank, runs
+cut as the connector cuts them for this model: HEADs for lookups, GETs for hits, PUTs for
+computed chunks).
 
 Workload: conversations that grow. A request starts a conversation (a first prompt of
 --prefix-tokens) or, with the share --continue-share, continues an open one picked at random:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvtier.format import HEADER_SIZE, chunks_per_object
 from kvtier.plan.shape import KVShape
 from kvtier.plan.simulate import SimResult, simulate
 from kvtier.plan.timing import Speeds
@@ -27,6 +28,12 @@ class Setup:
     sizes_gib: Mapping[str, float]
     hosts: int = 1
 
+    @property
+    def chunks_per_object(self) -> int:
+        """Chunks per S3 object, as the connector picks it for this shape (kvtier.format)."""
+        payload = self.shape.object_bytes(self.chunk_size) - HEADER_SIZE
+        return chunks_per_object(payload)
+
     def capacity_chunks(self) -> dict[str, float]:
         """Chunks of one rank each enabled tier holds (the bucket shared by hosts and ranks)."""
         obj = self.shape.object_bytes(self.chunk_size)
@@ -40,15 +47,19 @@ class Setup:
 
 def _rates(mix: RequestMix, setup: Setup, rate: float) -> dict[str, float]:
     """What the fleet puts on RGW: HEADs come from the scheduler (rank 0's keys), GETs and
-    PUTs from every rank."""
+    PUTs from every rank. The mix counts chunks; runs of ``chunks_per_object`` chunks share an
+    object (kvtier.format), so GETs and PUTs are at least that many times fewer (a request's
+    last run may be shorter: the figures are lower bounds)."""
     fleet = rate * setup.hosts
     ranks = setup.shape.tp_size
     obj = setup.shape.object_bytes(setup.chunk_size)
+    runs = setup.chunks_per_object
     return {
         "requests_per_s": fleet,
+        "chunks_per_object": runs,
         "head_per_s": fleet * mix.heads,
-        "get_per_s": fleet * mix.gets * ranks,
-        "put_per_s": fleet * mix.puts * ranks,
+        "get_per_s": fleet * mix.gets * ranks / runs,
+        "put_per_s": fleet * mix.puts * ranks / runs,
         "get_mib_s": fleet * mix.gets * ranks * obj / _MIB,
         "put_mib_s": fleet * mix.puts * ranks * obj / _MIB,
     }
@@ -266,7 +277,9 @@ def _rgw_lines(plan: dict[str, Any]) -> list[str]:
     rgw = plan["rgw"]
     if rgw is None:
         return []
-    lines = ["", f"RGW ({plan['hosts']} host(s), one S3 object per chunk and rank):"]
+    runs = next((r["chunks_per_object"] for r in rgw.values() if r is not None), 1)
+    per = "per chunk" if runs == 1 else f"per {runs} chunks (at most; GET/PUT: lower bounds)"
+    lines = ["", f"RGW ({plan['hosts']} host(s), one S3 object {per} and rank):"]
     for name, r in rgw.items():
         if r is not None:
             lines.append(

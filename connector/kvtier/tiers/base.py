@@ -12,6 +12,7 @@ cache existence: ``contains`` asks the medium, so objects deleted behind a tier'
 
 from __future__ import annotations
 
+import bisect
 import io
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -22,13 +23,17 @@ Stored = tuple[bytes, bytes]
 
 
 class ChunkReader(io.RawIOBase):
-    """A seekable read-only stream over header + payload, so a PUT body needs no joined copy
-    of the payload (S3 clients read it in pieces, and seek back to retry)."""
+    """A seekable read-only stream over the parts of a blob (header, payload, the next chunk's
+    header...), so a PUT body needs no joined copy (S3 clients read it in pieces, and seek back
+    to retry)."""
 
-    def __init__(self, header: bytes, payload: bytes) -> None:
+    def __init__(self, *parts: bytes) -> None:
         super().__init__()
-        self._parts = (memoryview(header), memoryview(payload))
-        self._size = len(header) + len(payload)
+        self._parts = [memoryview(p) for p in parts]
+        self._starts = [0]
+        for part in self._parts:
+            self._starts.append(self._starts[-1] + len(part))
+        self._size = self._starts[-1]
         self._pos = 0
 
     def __len__(self) -> int:
@@ -51,17 +56,15 @@ class ChunkReader(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         written = 0
-        head = len(self._parts[0])
+        index = bisect.bisect_right(self._starts, self._pos) - 1
         while written < len(out) and self._pos < self._size:
-            part, start = (
-                (self._parts[0], self._pos)
-                if self._pos < head
-                else (self._parts[1], self._pos - head)
-            )
+            part, start = self._parts[index], self._pos - self._starts[index]
             n = min(len(out) - written, len(part) - start)
             out[written : written + n] = part[start : start + n]
             written += n
             self._pos += n
+            if start + n == len(part):
+                index += 1
         return written
 
 
@@ -109,6 +112,20 @@ class Tier(ABC):
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(key, size in bytes) for each stored key starting with ``prefix``."""
+
+    def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
+        """For each key: None when absent, else the short hashes of the chunks its object holds
+        (kvtier.format's chunk list; [] for an object of one chunk that lists none). Tiers of
+        one chunk per key answer from ``contains_many``."""
+        return [[] if present else None for present in self.contains_many(keys)]
+
+    def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
+        """Store one object of several chunks: their blobs (``parts``: header, payload, header,
+        payload...) under the first chunk's key, listing them (``chunk_list``) where a HEAD
+        reads it. Only remote tiers hold such objects; a local tier takes one chunk."""
+        if len(parts) != 2:
+            raise TierError("unsupported", f"the {self.name} tier stores one chunk per key")
+        self.put(key, parts[0], parts[1])
 
     def probe(self) -> None:
         """Raise :class:`TierError` when the medium cannot be used now (a remote tier asks its

@@ -179,11 +179,17 @@ class GuardedTier(Tier):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._call(lambda: self.inner.contains_many(keys))
 
+    def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
+        return self._call(lambda: self.inner.heads(keys))
+
     def get(self, key: str) -> Stored | None:
         return self._call(lambda: self.inner.get(key))
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         self._call(lambda: self.inner.put(key, header, payload))
+
+    def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
+        self._call(lambda: self.inner.put_object(key, parts, chunk_list))
 
     def delete(self, key: str) -> None:
         self._call(lambda: self.inner.delete(key))

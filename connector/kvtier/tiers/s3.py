@@ -1,4 +1,5 @@
-"""S3 tier (Ceph RGW, MinIO, AWS): one object per chunk under ``<prefix>/<key>``.
+"""S3 tier (Ceph RGW, MinIO, AWS): objects under ``<prefix>/<key>``, each one chunk or a run of
+consecutive chunks (kvtier.format; its chunk list in the user metadata ``kvtier-chunks``).
 
 Two clients, one module each: :mod:`kvtier.tiers.s3_boto3` and :mod:`kvtier.tiers.s3_crt`
 (awscrt's native client, which borrows the boto3 tier's endpoint, credentials and listing).

@@ -1,6 +1,7 @@
-"""The S3 tier on boto3: one object per chunk under ``<prefix>/<key>``; also the boto3 client
-(endpoint, credentials, timeouts) that the awscrt tier, ``kvtier doctor``, ``ls`` and ``purge``
-use. What both S3 clients share is described in :mod:`kvtier.tiers.s3`.
+"""The S3 tier on boto3: an object per chunk, or per run of chunks, under ``<prefix>/<key>``;
+also the boto3 client (endpoint, credentials, timeouts) that the awscrt tier, ``kvtier
+doctor``, ``ls`` and ``purge`` use. What both S3 clients share is described in
+:mod:`kvtier.tiers.s3`.
 
 boto3 is imported lazily: only processes with the S3 tier on pay for it.
 """
@@ -14,7 +15,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.format import HEADER_SIZE
+from kvtier.format import CHUNK_LIST_META, HEADER_SIZE, decode_chunk_list
 from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
 
 log = logging.getLogger(__name__)
@@ -156,23 +157,30 @@ class Boto3S3Tier(Tier):
         code = str(exc.response.get("Error", {}).get("Code", ""))
         return code in ("404", "NoSuchKey", "NotFound")
 
-    def contains(self, key: str) -> bool:
+    def head(self, key: str) -> list[str] | None:
+        """None when absent, else the object's chunk list ([] when it lists none)."""
         okey = self.object_key(key)
         try:
-            self._head_client.head_object(Bucket=self.bucket, Key=okey)
-            return True
+            resp = self._head_client.head_object(Bucket=self.bucket, Key=okey)
         except Exception as exc:
             if self._is_not_found(exc):
-                return False
+                return None
             raise TierError(error_cause(exc), f"S3 HEAD s3://{self.bucket}/{okey}: {exc}") from exc
+        return decode_chunk_list(resp.get("Metadata", {}).get(CHUNK_LIST_META))
 
-    def _pool_map(self, fn: Callable[[str], bool], keys: Sequence[str]) -> list[bool]:
+    def contains(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def _pool_map(self, fn: Callable[[str], T], keys: Sequence[str]) -> list[T]:
         if len(keys) <= 1:
             return [fn(k) for k in keys]
         return list(self._pool.map(fn, keys))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._pool_map(self.contains, keys)
+
+    def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
+        return self._pool_map(self.head, keys)
 
     def get(self, key: str) -> Stored | None:
         okey = self.object_key(key)
@@ -196,12 +204,16 @@ class Boto3S3Tier(Tier):
         self._call("HEAD", "", lambda: self._head_client.head_bucket(Bucket=self.bucket))
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
+        self.put_object(key, (header, payload), "")
+
+    def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
         okey = self.object_key(key)
+        meta = {CHUNK_LIST_META: chunk_list} if chunk_list else {}
         self._call(
             "PUT",
             okey,
             lambda: self._client.put_object(
-                Bucket=self.bucket, Key=okey, Body=ChunkReader(header, payload)
+                Bucket=self.bucket, Key=okey, Body=ChunkReader(*parts), Metadata=meta
             ),
         )
 

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote, urlparse
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.format import HEADER_SIZE
+from kvtier.format import CHUNK_LIST_META, HEADER_SIZE, decode_chunk_list
 from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
 from kvtier.tiers.s3_boto3 import Boto3S3Tier
 
@@ -47,6 +47,7 @@ class _Pending:
         self.okey = okey
         self.request: Any = None
         self.status: int | None = None
+        self.headers: dict[str, str] = {}
         self._header = b""
         self._parts: dict[int, bytes] = {}
         self._lock = threading.Lock()
@@ -63,6 +64,9 @@ class _Pending:
                     self._parts[0] = bytes(view[cut:])
             else:
                 self._parts[offset - HEADER_SIZE] = bytes(view)
+
+    def on_headers(self, status_code: int, headers: Any, **_: Any) -> None:
+        self.headers = {str(k).lower(): str(v) for k, v in headers}
 
     def on_done(
         self, error: BaseException | None, status_code: int | None = None, **_: Any
@@ -165,13 +169,21 @@ class CrtS3Tier(Tier):
     def object_key(self, key: str) -> str:
         return self._admin.object_key(key)
 
-    def _start(self, method: str, okey: str, body: bytes | ChunkReader | None = None) -> _Pending:
+    def _start(
+        self,
+        method: str,
+        okey: str,
+        body: bytes | ChunkReader | None = None,
+        chunk_list: str = "",
+    ) -> _Pending:
         """Send one request for object key ``okey`` (already prefixed); don't wait."""
         from awscrt.http import HttpHeaders, HttpRequest
         from awscrt.s3 import S3RequestType
 
         path = f"{self._base}/{self.bucket}/{quote(okey, safe='/~')}"
         headers = HttpHeaders([("Host", self._host)])
+        if chunk_list:
+            headers.add(f"x-amz-meta-{CHUNK_LIST_META}", chunk_list)
         stream = None
         if body is not None:
             headers.add("Content-Length", str(len(body)))
@@ -186,6 +198,7 @@ class CrtS3Tier(Tier):
             type=kind,
             request=request,
             operation_name="HeadObject" if method == "HEAD" else None,
+            on_headers=pending.on_headers if method == "HEAD" else None,
             on_body=pending.on_body if method == "GET" else None,
             on_done=pending.on_done,
         )
@@ -210,9 +223,9 @@ class CrtS3Tier(Tier):
         return pending.status or 200, pending.stored()
 
     def _request(
-        self, method: str, key: str, body: bytes | ChunkReader | None = None
+        self, method: str, key: str, body: bytes | ChunkReader | None = None, chunk_list: str = ""
     ) -> tuple[int, Stored | None]:
-        return self._finish(self._start(method, self.object_key(key), body))
+        return self._finish(self._start(method, self.object_key(key), body, chunk_list))
 
     def raw_batch(self, op: str, object_keys: Sequence[str], body: bytes) -> int:
         """Benchmark helper: every request in flight at once, as awscrt is meant to be used.
@@ -233,14 +246,23 @@ class CrtS3Tier(Tier):
                 errors += 1
         return errors
 
-    def contains(self, key: str) -> bool:
+    def head(self, key: str) -> list[str] | None:
         if self._reads_via_boto3:
-            return self._admin.contains(key)
-        status, _ = self._request("HEAD", key)
-        return status != 404
+            return self._admin.head(key)
+        pending = self._start("HEAD", self.object_key(key))
+        status, _ = self._finish(pending)
+        if status == 404:
+            return None
+        return decode_chunk_list(pending.headers.get(f"x-amz-meta-{CHUNK_LIST_META}"))
+
+    def contains(self, key: str) -> bool:
+        return self.head(key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self._admin._pool_map(self.contains, keys)
+
+    def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
+        return self._admin._pool_map(self.head, keys)
 
     def get(self, key: str) -> Stored | None:
         if self._reads_via_boto3:
@@ -250,6 +272,9 @@ class CrtS3Tier(Tier):
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         self._request("PUT", key, ChunkReader(header, payload))
+
+    def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
+        self._request("PUT", key, ChunkReader(*parts), chunk_list)
 
     def delete(self, key: str) -> None:
         self._admin.delete(key)

@@ -67,7 +67,7 @@ def generated_tokens(step: Step, cold: Round, output_tokens: int) -> bool:
 def bucket_objects(step: Step, stored: int | None, documents: int, chunks_per_doc: int) -> bool:
     expected = documents * chunks_per_doc
     return step.check(
-        "chunk objects in the bucket (namespace)",
+        "chunks in the bucket (namespace)",
         stored == expected,
         f"{expected} ({documents} documents x {chunks_per_doc} chunks)",
         "no S3 tier configured" if stored is None else str(stored),

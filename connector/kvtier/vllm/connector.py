@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KvtierConfig, load_config
-from kvtier.format import HEADER_SIZE
+from kvtier.format import HEADER_SIZE, chunks_per_object
 from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
@@ -93,7 +93,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model_dir = model_cfg.model if os.path.isdir(model_cfg.model) else None
         model_id = model_identity(str(model_cfg.served_model_name), model_dir)
         tp_rank, tp_size = _tp(vllm_config, role)
-        fingerprint = self.layout.fingerprint(model_id, self.cfg.chunk_size, tp_rank, tp_size)
+        #: Chunks per S3 object: several when the model's chunks are small (kvtier.format).
+        self.object_chunks = 1
+        if self.cfg.remote_url:
+            payload = self.layout.payload_nbytes(self.cfg.chunk_size // self.layout.block_size)
+            self.object_chunks = chunks_per_object(payload, self.cfg.remote_chunks_per_object)
+        fingerprint = self.layout.fingerprint(
+            model_id, self.cfg.chunk_size, tp_rank, tp_size, self.object_chunks
+        )
         self.fingerprint = fingerprint.digest()
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
@@ -109,7 +116,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         log.info(
             "kvtier %s connector (%s): config %s, layout %s, fingerprint %s, tiers cpu=%s "
-            "disk=%s s3=%s",
+            "disk=%s s3=%s (%d chunks per object)",
             "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker tp{tp_rank}",
             dist,
             self.cfg.source,
@@ -118,6 +125,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.cfg.local_cpu,
             self.cfg.local_disk,
             self.cfg.remote_url,
+            self.object_chunks,
         )
         if role == KVConnectorRole.SCHEDULER:
             self._require_recompute_on_load_failure()
@@ -144,7 +152,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stats = os.path.join(cfg.stats_path, "scheduler") if cfg.stats_path else None
         shared = cfg.model_copy(update={"local_cpu": False, "stats_dir": stats})
         if shared.local_disk or shared.remote_url:
-            self._lookup_store = open_store(shared, self.fingerprint, "scheduler")
+            self._lookup_store = open_store(
+                shared, self.fingerprint, "scheduler", self.object_chunks
+            )
         store = self._lookup_store
         if store is not None and store.remote_tier is not None:
             self._lookups = RemoteLookups(store)
@@ -155,6 +165,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             chunk_size=cfg.chunk_size,
             block_size=self.layout.block_size,
             save_unfull_chunk=cfg.save_unfull_chunk,
+            object_chunks=self.object_chunks,
             cpu_index=CpuTierIndex(cfg.cpu_bytes // blob),
             local_lookup=store.lookup_local if store else None,
             remote_lookup=self._lookups.submit if self._lookups else None,
@@ -169,7 +180,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors = check_tensors(self.layout, kv_caches)
-        store = open_store(self.cfg, self.fingerprint, "worker")
+        store = open_store(self.cfg, self.fingerprint, "worker", self.object_chunks)
         if store is None:
             return  # no tier left to use (logged): served without kvtier
         self._worker = WorkerSide(
@@ -179,7 +190,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.layout, tensors, max_blocks=self.cfg.chunk_size // self.layout.block_size
             ),
             self.cfg.blocking_timeout_secs,
-            parallel_fetch=any(t.name not in ("cpu", "disk") for t in store.tiers),
         )
 
     @property

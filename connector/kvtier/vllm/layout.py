@@ -83,9 +83,10 @@ class KVLayout:
         return f"{self.device}:{self.backend}:{self.variant}:{shape}"
 
     def fingerprint(
-        self, model_id: str, chunk_size: int, tp_rank: int, tp_size: int
+        self, model_id: str, chunk_size: int, tp_rank: int, tp_size: int, object_chunks: int = 1
     ) -> LayoutFingerprint:
         return LayoutFingerprint(
+            object_chunks=object_chunks,
             model_id=model_id,
             dtype=self.dtype,
             num_layers=self.num_layers,

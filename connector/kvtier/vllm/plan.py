@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`."""
+    """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`. The
+    remote tier holds it at ``position`` in the object of the run that starts with chunk
+    ``object_hash`` ("": an object of its own)."""
 
     req_id: str
     chunk_hash: str
@@ -19,16 +21,20 @@ class LoadSpec:
     first: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    object_hash: str = ""
+    position: int = 0
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Copy `block_ids` (all layers) and store them under `chunk_hash`."""
+    """Copy `block_ids` (all layers) and store them under `chunk_hash`. Consecutive specs with
+    the same ``object_hash`` (the run's first chunk) go to the remote tier as one object."""
 
     req_id: str
     chunk_hash: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    object_hash: str = ""
 
 
 @dataclass

@@ -9,9 +9,12 @@ Rules:
   covers tokens 0..(i+1)*chunk_size (chained hashes), so a hit on chunk i implies its prefix.
 - At most ``align_down(prompt_len - 1, block_size)`` tokens are offered: vLLM must compute at
   least one prompt token itself to produce logits.
-- A chunk is saved in the step in which its last token is computed, so prompts prefilled over
-  several steps (chunked prefill) are saved step by step. The trailing partial chunk is saved
-  (its fully written blocks only) when ``save_unfull_chunk`` is on and the prompt is done.
+- Chunks are saved in runs of ``object_chunks`` (one S3 object each, kvtier.format): the runs
+  of a request start at the first chunk that no tier holds and are cut every ``object_chunks``
+  chunks; a run is saved in the step in which its last chunk's last token is computed (its
+  earlier chunks' blocks are still the request's), the last run when the prompt is done. So
+  prompts prefilled over several steps (chunked prefill) are saved step by step. The trailing
+  partial chunk is saved (its fully written blocks only) when ``save_unfull_chunk`` is on.
 - The scheduler cannot see the worker's CPU tier (another process in production). It keeps
   an LRU index of the chunks it told the worker to save or load (each lands in the worker's
   CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
@@ -20,9 +23,11 @@ Rules:
   its lookup stopped is logged (rate-limited) and counted (``prefix_divergences``):
   `divergence.PrefixHistory` says why that is a changed prompt, not an eviction.
 - The remote tier is never asked inside vLLM's scheduler loop: its lookup runs in a thread
-  (``remote_lookup`` returns a future), and until it answers the request is reported as "not
-  yet" (None) so vLLM schedules the others. After ``lookup_timeout`` the request goes ahead
-  with what the local tiers hold: a slow or dead remote tier delays no request by more.
+  (``remote_lookup`` returns a future of a `RemotePrefix`: the chunks found and the objects
+  that hold them, which the load plan passes on so each chunk is read from its object), and
+  until it answers the request is reported as "not yet" (None) so vLLM schedules the others.
+  After ``lookup_timeout`` the request goes ahead with what the local tiers hold: a slow or
+  dead remote tier delays no request by more.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.keys import chunk_hashes
+from kvtier.prefix import RemotePrefix
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import SAMPLES
 from kvtier.vllm.divergence import PrefixHistory
@@ -53,7 +59,7 @@ _LOOKUP_POLL_SECS = 0.001
 class _PendingLookup:
     """A remote lookup in flight for chunks from ``local`` on."""
 
-    future: Future[int]
+    future: Future[RemotePrefix]
     local: int
     in_cpu: int
     started: float
@@ -70,14 +76,15 @@ class _Request:
     found_in_cpu: int = 0
     #: Locally computed tokens when the lookup was made (vLLM's own prefix cache).
     local_tokens: int = 0
-    #: The remote lookup while it runs.
+    #: The remote lookup while it runs, then what it found (the objects holding the chunks).
     pending: _PendingLookup | None = None
+    remote: RemotePrefix = field(default_factory=RemotePrefix)
     #: (start token, token count) to load in the next step, set after allocation.
     pending_load: tuple[int, int] | None = None
-    #: Next chunk index to consider for saving; chunks below `known_stored` are never saved.
+    #: Next chunk index to consider for saving; chunks below `known_stored` are never saved,
+    #: and the runs of the saved ones start at `known_stored`.
     next_save: int = 0
     known_stored: int = 0
-    partial_done: bool = False
     #: False for a request that asked for a namespace it may not use: no load, no save.
     enabled: bool = True
 
@@ -156,7 +163,8 @@ class SchedulerSide:
         save_unfull_chunk: bool,
         cpu_index: CpuTierIndex,
         local_lookup: Callable[[Sequence[str]], int] | None,
-        remote_lookup: Callable[[Sequence[str]], Future[int]] | None = None,
+        remote_lookup: Callable[[Sequence[str], int], Future[RemotePrefix]] | None = None,
+        object_chunks: int = 1,
         lookup_timeout: float = 0.1,
         disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
         remote_tier: str = "s3",
@@ -171,6 +179,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
         self.save_unfull_chunk = save_unfull_chunk
+        self.object_chunks = object_chunks
         self.cpu_index = cpu_index
         self._local_lookup = local_lookup
         self._remote_lookup = remote_lookup
@@ -212,16 +221,16 @@ class SchedulerSide:
                 local += self._local_lookup(hashes[local:])
             if local == len(hashes) or self._remote_lookup is None:
                 return local, in_cpu
-            future = self._remote_lookup(hashes[local:])
+            future = self._remote_lookup(hashes, local)
             st.pending = _PendingLookup(future, local, in_cpu, time.monotonic())
         p = st.pending
         left = self.lookup_timeout - (time.monotonic() - p.started)
+        remote = RemotePrefix(found=p.local)
         try:
             remote = p.future.result(timeout=max(0.0, min(left, _LOOKUP_POLL_SECS)))
         except TimeoutError:
             if left > _LOOKUP_POLL_SECS:
                 return None  # "not yet": vLLM asks again at its next step
-            remote = 0
             self.counters.lookup_timeouts += 1
             _warnings.warning(
                 "lookup_timeout",
@@ -229,13 +238,13 @@ class SchedulerSide:
                 f"lookup_timeout_secs={self.lookup_timeout:g}: served from the local tiers "
                 f"({p.local} of {len(hashes)} chunks)",
             )
-        except Exception as exc:  # the store answers 0 on failure; anything else is a miss
-            remote = 0
+        except Exception as exc:  # the store answers "none" on failure; anything else is a miss
             _warnings.warning("lookup_error", f"remote lookup of {req_id} failed: {exc!r}")
         st.pending = None
+        st.remote = remote
         self.counters.remote_lookups += 1
         self.counters.remote_lookup_seconds.append(time.monotonic() - p.started)
-        return p.local + remote, p.in_cpu
+        return max(p.local, remote.found), p.in_cpu
 
     # ------------------------------------------------------------------ vLLM hooks
     def num_new_matched_tokens(
@@ -366,6 +375,7 @@ class SchedulerSide:
         for k in range(start // cs, (end - 1) // cs + 1):
             lo, hi = max(start, k * cs), min(end, (k + 1) * cs)
             stored_blocks = self._chunk_tokens(st, k) // bs
+            object_first, position = st.remote.object_of(k)
             spec = LoadSpec(
                 req_id=req_id,
                 chunk_hash=st.hashes[k],
@@ -373,6 +383,8 @@ class SchedulerSide:
                 first=(lo - k * cs) // bs,
                 block_ids=tuple(st.block_ids[lo // bs : hi // bs]),
                 num_tokens=hi - lo,
+                object_hash=st.hashes[object_first],
+                position=position,
             )
             self._plan.loads.append(spec)
             self.cpu_index.add(spec.chunk_hash)  # the worker's get() promotes it into CPU
@@ -382,31 +394,35 @@ class SchedulerSide:
     def _plan_saves(self, req_id: str, st: _Request, computed: int) -> None:
         if not st.enabled:
             return
-        cs, bs = self.chunk_size, self.block_size
-        limit = min(computed, st.prompt_len)
+        cs, bs, runs = self.chunk_size, self.block_size, self.object_chunks
         full_chunks = st.prompt_len // cs
+        partial = st.prompt_len % cs
+        # Only the partial chunk's fully written blocks: the last block's tail is filled later
+        # by decoding, and loads never reach it (at least one prompt token is always computed).
+        with_partial = self.save_unfull_chunk and partial // bs > 0
+        last = full_chunks + with_partial
+        done = min(full_chunks, min(computed, st.prompt_len) // cs)
+        if with_partial and computed >= st.prompt_len:
+            done = last
         if st.found_chunks is not None:
             st.known_stored = max(st.known_stored, st.found_chunks)
-        while st.next_save < full_chunks and (st.next_save + 1) * cs <= limit:
-            k = st.next_save
-            st.next_save += 1
-            if k >= st.known_stored:
-                self._save(req_id, st, k, cs // bs, cs)
-        partial = st.prompt_len % cs
-        if (
-            self.save_unfull_chunk
-            and partial
-            and not st.partial_done
-            and computed >= st.prompt_len
-            and st.next_save == full_chunks
-        ):
-            st.partial_done = True
-            # Only fully written blocks: the last block's tail is filled later by decoding,
-            # and loads never reach it (at least one prompt token is always computed).
-            if full_chunks >= st.known_stored and partial // bs > 0:
-                self._save(req_id, st, full_chunks, partial // bs, partial)
+        start = max(st.next_save, st.known_stored)
+        while start < last:
+            # Runs start where the stored chunks end and are cut every `runs` chunks.
+            end = min(last, st.known_stored + ((start - st.known_stored) // runs + 1) * runs)
+            if done < end:
+                break
+            for k in range(start, end):
+                blocks, tokens = (cs // bs, cs) if k < full_chunks else (partial // bs, partial)
+                if not self._save(req_id, st, k, blocks, tokens, st.hashes[start]):
+                    end = last  # the blocks ran out: nothing after this chunk can be saved
+                    break
+            start = end
+        st.next_save = start
 
-    def _save(self, req_id: str, st: _Request, k: int, num_blocks: int, num_tokens: int) -> None:
+    def _save(
+        self, req_id: str, st: _Request, k: int, num_blocks: int, num_tokens: int, run: str
+    ) -> bool:
         first = k * self.blocks_per_chunk
         blocks = st.block_ids[first : first + num_blocks]
         if len(blocks) < num_blocks:
@@ -417,10 +433,11 @@ class SchedulerSide:
                 k,
                 first + num_blocks,
             )
-            return
-        self._plan.saves.append(SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens))
+            return False
+        self._plan.saves.append(SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens, run))
         self.cpu_index.add(st.hashes[k])
         self.counters.planned_save_chunks += 1
+        return True
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

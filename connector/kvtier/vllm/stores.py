@@ -12,10 +12,11 @@ refuses it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.prefix import RemotePrefix
 from kvtier.store import TieredStore
 from kvtier.tiers.base import TierError
 
@@ -29,11 +30,13 @@ class RemoteTierUnavailable(RuntimeError):
     """The remote tier cannot be used at start and the config says it is required."""
 
 
-def open_store(cfg: KvtierConfig, fingerprint: str, who: str) -> TieredStore | None:
+def open_store(
+    cfg: KvtierConfig, fingerprint: str, who: str, object_chunks: int = 1
+) -> TieredStore | None:
     """The store of ``cfg`` (None when it has no tier left to use); ``who`` names the process
     side in messages ("scheduler", "worker tp0")."""
     try:
-        store = TieredStore.from_config(cfg, fingerprint)
+        store = TieredStore.from_config(cfg, fingerprint, object_chunks)
     except ConfigError as exc:
         if not cfg.remote_url:
             raise
@@ -79,8 +82,10 @@ class RemoteLookups:
         self._store = store
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvtier-lookup")
 
-    def submit(self, hashes: Any) -> Future[int]:
-        return self._pool.submit(self._store.lookup_remote, list(hashes))
+    def submit(self, hashes: Sequence[str], start: int) -> Future[RemotePrefix]:
+        """Look up what the remote tier holds of ``hashes`` (the local tiers hold the first
+        ``start`` chunks), in a thread."""
+        return self._pool.submit(self._store.lookup_remote, list(hashes), start)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

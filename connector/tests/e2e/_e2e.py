@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import load_config
+from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
@@ -25,6 +26,9 @@ from kvtier.vllm.server import (
 
 VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
 CHUNK = 256
+#: Chunks per S3 object for the tiny model: its 256-token chunk is 256 KiB of KV (2 layers x
+#: 2 KV heads x head 128 x K and V x bf16), so 4 MiB objects hold 16 (kvtier.format).
+OBJECT_CHUNKS = 16
 OUTPUT_TOKENS = 32
 BATCH_BUDGET = 2048
 
@@ -88,14 +92,35 @@ class S3Target:
                 out[obj["Key"]] = int(obj["Size"])
         return out
 
-    def wait_for_objects(self, count: int, timeout: float = 60.0) -> dict[str, bytes | int]:
-        """The object listing once it holds `count` objects (background writes land late)."""
+    def chunk_lists(self) -> dict[str, list[str]]:
+        """Key -> short hashes of the chunks the object holds (kvtier.format: an object of a
+        run lists them; one that lists none is one chunk, its key's)."""
+        client = self.client()
+        out: dict[str, list[str]] = {}
+        for key in self.objects():
+            meta = client.head_object(Bucket=self.bucket, Key=key).get("Metadata", {})
+            out[key] = decode_chunk_list(meta.get(CHUNK_LIST_META)) or [short_hash(key)]
+        return out
+
+    def chunks(self) -> int:
+        """Chunks stored under the prefix (several may share an object)."""
+        return sum(len(listed) for listed in self.chunk_lists().values())
+
+    def wait_for_chunks(self, count: int, timeout: float = 60.0) -> int:
+        """Chunks under the prefix once there are `count` (background writes land late)."""
         deadline = time.monotonic() + timeout
-        objs = self.objects()
-        while len(objs) < count and time.monotonic() < deadline:
+        found = self.chunks()
+        while found < count and time.monotonic() < deadline:
             time.sleep(0.5)  # an external bucket: nothing to wait on but its listing
-            objs = self.objects()
-        return objs
+            found = self.chunks()
+        return found
+
+    def object_of(self, chunk_hash: str) -> tuple[str, int]:
+        """(key, position) of the object that holds a chunk."""
+        for key, listed in self.chunk_lists().items():
+            if short_hash(chunk_hash) in listed:
+                return key, listed.index(short_hash(chunk_hash))
+        raise AssertionError(f"no object holds chunk {chunk_hash}")
 
     def clear(self) -> None:
         client = self.client()

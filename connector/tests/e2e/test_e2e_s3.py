@@ -9,7 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _e2e import BATCH_BUDGET, CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
+from _e2e import (
+    BATCH_BUDGET,
+    CHUNK,
+    OBJECT_CHUNKS,
+    OUTPUT_TOKENS,
+    Counters,
+    S3Target,
+    Servers,
+    prompt,
+)
 
 from kvtier.vllm.server import Completion, VllmServer
 
@@ -33,8 +42,11 @@ def test_cold_run_misses_and_writes_full_chunks(run: dict[str, Any], s3_target: 
     assert c.delta("vllm:external_prefix_cache_hits_total") == 0
     assert c.delta("kvtier:hit_tokens_total") == 0
     assert c.delta("kvtier:lookup_tokens_total") == len(LONG)
-    objs = s3_target.wait_for_objects(len(LONG) // CHUNK)
-    assert len(objs) == len(LONG) // CHUNK, server.log_tail()
+    full = len(LONG) // CHUNK
+    assert s3_target.wait_for_chunks(full) == full, server.log_tail()
+    # Runs of chunks, one object each (the last one shorter).
+    assert len(s3_target.objects()) == -(-full // OBJECT_CHUNKS)
+    assert f"({OBJECT_CHUNKS} chunks per object)" in server.log_text()
 
 
 def test_prompt_over_batch_budget_cold(run: dict[str, Any]) -> None:
@@ -47,7 +59,7 @@ def test_prompt_over_batch_budget_cold(run: dict[str, Any]) -> None:
 def test_after_restart_s3_hits_and_same_tokens(run: dict[str, Any], s3_target: S3Target) -> None:
     server: VllmServer = run["server"]
     expected = len(LONG) // CHUNK + len(OVER_BUDGET) // CHUNK
-    assert len(s3_target.wait_for_objects(expected)) == expected
+    assert s3_target.wait_for_chunks(expected) == expected
     server.restart()
     server.complete(prompt(64, seed=98), max_tokens=4)
     c = Counters(server)

@@ -2,11 +2,12 @@
 kvtier).
 
 - objects deleted from the bucket: the next request is a clean miss with the same tokens;
-- one object corrupted: detected, recomputed, same tokens; the negative control (checksum
+- one chunk corrupted inside its object (a run of chunks, kvtier.format): detected, the chunks
+  before it loaded, the rest recomputed, same tokens; the negative control (checksum
   verification off, a test-only setting) shows the same corruption changes the output;
-- one object replaced by random bytes, cut short, or by a chunk of another model, another
-  chunk size, another format version or another chunk: each detected (counted under its cause
-  in /metrics), recomputed, same tokens.
+- one chunk replaced by random bytes, cut short, or by a chunk of another model, another chunk
+  size, another format version or another chunk: each detected (counted under its cause in
+  /metrics), recomputed, same tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -38,7 +40,7 @@ def server(servers: Servers, s3_target: S3Target) -> VllmServer:
 def test_deleted_objects_are_a_clean_miss(server: VllmServer, s3_target: S3Target) -> None:
     cold = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
     n = len(DELETED) // CHUNK
-    assert len(s3_target.wait_for_objects(n)) == n
+    assert s3_target.wait_for_chunks(n) == n
     c = Counters(server)
     warm = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(DELETED), server.log_tail()
@@ -54,25 +56,51 @@ def test_deleted_objects_are_a_clean_miss(server: VllmServer, s3_target: S3Targe
     assert "Traceback" not in server.log_text()
 
 
-def _corrupt(s3_target: S3Target, key: str, original: bytes) -> None:
+@dataclass(frozen=True)
+class Stored:
+    """The object that holds a prompt's middle chunk: its key, its bytes and where in them the
+    middle chunk's blob is (the chunks before it in the object are full ones)."""
+
+    key: str
+    body: bytes
+    meta: dict[str, str]  # its chunk list: kept, so the lookup still finds the chunks
+    start: int
+    end: int
+
+    def put(self, s3_target: S3Target, damage: Callable[[bytes], bytes], cut: bool = False) -> None:
+        """The object again with the middle chunk's blob damaged (and nothing after it: cut)."""
+        blob = damage(self.body[self.start : self.end])
+        body = self.body[: self.start] + blob + (b"" if cut else self.body[self.end :])
+        s3_target.client().put_object(
+            Bucket=s3_target.bucket, Key=self.key, Body=body, Metadata=self.meta
+        )
+
+
+def _middle_object(s3_target: S3Target, doc: list[int]) -> Stored:
+    """Once the bucket holds every full chunk of ``doc``: the object holding its middle one."""
+    assert s3_target.wait_for_chunks(len(doc) // CHUNK) == len(doc) // CHUNK
+    key, position = s3_target.object_of(chunk_hashes(doc, CHUNK)[MIDDLE])
+    got = s3_target.client().get_object(Bucket=s3_target.bucket, Key=key)
+    body = got["Body"].read()
+    blob = HEADER_SIZE + struct.unpack_from("<Q", body, 44)[0]  # a full chunk's blob
+    return Stored(key, body, dict(got["Metadata"]), position * blob, (position + 1) * blob)
+
+
+def _bad_payload(blob: bytes) -> bytes:
     # Keep the header (so the blob still parses) and overwrite the KV payload with values
     # (bf16 0x4747 ~ 5e4) far outside what attention ever sees.
-    bad = original[:HEADER_SIZE] + b"\x47" * (len(original) - HEADER_SIZE)
-    s3_target.client().put_object(Bucket=s3_target.bucket, Key=key, Body=bad)
+    return blob[:HEADER_SIZE] + b"\x47" * (len(blob) - HEADER_SIZE)
 
 
 @pytest.fixture(scope="module")
 def corrupted(server: VllmServer, s3_target: S3Target) -> dict[str, Any]:
-    """Cold tokens of CORRUPTED and one of its objects (key, original bytes), corrupted."""
+    """Cold tokens of CORRUPTED, and the object that holds its middle chunk, that chunk's
+    payload corrupted (the chunks before it still load, it and the rest are recomputed)."""
     s3_target.clear()
     cold = server.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
-    objs = s3_target.wait_for_objects(len(CORRUPTED) // CHUNK)
-    # The middle chunk: the ones before it still load, it and the rest are recomputed.
-    middle = chunk_hashes(CORRUPTED, CHUNK)[MIDDLE]
-    key = next(k for k in objs if k.endswith("/" + middle))
-    original = s3_target.client().get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
-    _corrupt(s3_target, key, original)
-    return {"cold": cold, "key": key, "original": original}
+    stored = _middle_object(s3_target, CORRUPTED)
+    stored.put(s3_target, _bad_payload)
+    return {"cold": cold, "stored": stored}
 
 
 def test_corrupted_object_is_detected_and_recomputed(
@@ -94,7 +122,7 @@ def test_negative_control_without_verification_output_changes(
     servers: Servers, s3_target: S3Target, corrupted: dict[str, Any]
 ) -> None:
     # The verifying server dropped the bad object; put the same corruption back.
-    _corrupt(s3_target, corrupted["key"], corrupted["original"])
+    corrupted["stored"].put(s3_target, _bad_payload)
     unsafe = servers.make(
         "s3-noverify",
         s3_target.kvtier(verify_checksums=False),
@@ -131,6 +159,8 @@ def _other_chunk(blob: bytes) -> bytes:
     return blob[:24] + bytes(16) + blob[40:]  # a chunk copied under another chunk's key
 
 
+#: kind -> (the cause counted, what the middle chunk's blob becomes). "truncated" also ends the
+#: object there (a short object, as a cut-off write or read leaves it).
 FOREIGN: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
     "random bytes": ("bad_magic", lambda blob: os.urandom(len(blob))),
     "truncated": ("truncated", lambda blob: blob[: HEADER_SIZE + (len(blob) - HEADER_SIZE) // 2]),
@@ -149,12 +179,7 @@ def test_foreign_and_damaged_objects_are_detected_and_recomputed(
     doc = prompt(4_000, seed=300 + list(FOREIGN).index(kind))
     s3_target.clear()
     cold = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    objs = s3_target.wait_for_objects(len(doc) // CHUNK)
-    middle = chunk_hashes(doc, CHUNK)[MIDDLE]
-    key = next(k for k in objs if k.endswith("/" + middle))
-    client = s3_target.client()
-    original = client.get_object(Bucket=s3_target.bucket, Key=key)["Body"].read()
-    client.put_object(Bucket=s3_target.bucket, Key=key, Body=damage(original))
+    _middle_object(s3_target, doc).put(s3_target, damage, cut=kind == "truncated")
     c = Counters(server)
     out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:tier_errors_total", tier="s3", cause=cause) >= 1, server.log_tail()

@@ -107,7 +107,7 @@ def test_a_black_holed_endpoint_delays_no_request(
     healthy_seq = stream(send, _docs(1000, 4))
     healthy_par = stream(send, _docs(1100, 8), concurrency=4)
     stored = _docs(1000, 1)[0]
-    s3_target.wait_for_objects(DOC // CHUNK)
+    s3_target.wait_for_chunks(DOC // CHUNK)
     offset = len(server.log_path.read_text(errors="replace"))
     proxy.freeze()
     try:
@@ -165,7 +165,7 @@ def test_rgw_then_haproxy_killed_mid_stream_fail_no_request(
     )
     stored = prompt(DOC, seed=4000)
     srv.complete(stored, max_tokens=OUTPUT_TOKENS)
-    s3_target.wait_for_objects(DOC // CHUNK)
+    s3_target.wait_for_chunks(DOC // CHUNK)
     result: list[StreamResult] = []
     done = threading.Event()
 

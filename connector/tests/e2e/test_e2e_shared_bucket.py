@@ -29,7 +29,7 @@ def test_server_b_hits_what_server_a_wrote_and_tenants_stay_apart(
     cold = a.complete(SHARED, max_tokens=OUTPUT_TOKENS)
     tenant_cold = a.complete(TENANT, max_tokens=OUTPUT_TOKENS)
     n = len(SHARED) // CHUNK + len(TENANT) // CHUNK  # full chunks of each prompt
-    assert len(s3_target.wait_for_objects(n)) == n
+    assert s3_target.wait_for_chunks(n) == n
     b = servers.make(
         "shared-b",
         s3_target.kvtier(local_disk=str(scratch / "b"), request_namespaces=["tenant-b"], **tiers),

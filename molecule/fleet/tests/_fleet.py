@@ -20,6 +20,8 @@ from typing import Any
 import testinfra
 
 from kvtier.completions import Completion, CompletionError, stream_completion
+from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
+from kvtier.keys import chunk_hashes
 from kvtier.vllm.server import metric_sum, parse_metrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -139,14 +141,23 @@ def s3_client(serving_host: str = "serve1") -> Any:
 
 
 def chunks_in_bucket(namespace: str, bucket: str = "kvtier-cache") -> set[str]:
-    """Chunk hashes stored under ``namespace`` (any layout), read from the bucket listing."""
+    """Short hashes (kvtier.format.short_hash) of the chunks stored under ``namespace`` (any
+    layout): an object of a run lists its chunks, any other holds its key's."""
     client = s3_client()
     found: set[str] = set()
     for page in client.get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=f"kv/{namespace}/"
     ):
-        found.update(obj["Key"].rpartition("/")[2] for obj in page.get("Contents", []))
+        for obj in page.get("Contents", []):
+            meta = client.head_object(Bucket=bucket, Key=obj["Key"]).get("Metadata", {})
+            listed = decode_chunk_list(meta.get(CHUNK_LIST_META)) or [short_hash(obj["Key"])]
+            found.update(listed)
     return found
+
+
+def chunks_of(doc: Sequence[int], chunk_size: int) -> set[str]:
+    """Short hashes of a prompt's full chunks, as chunks_in_bucket lists them."""
+    return {short_hash(h) for h in chunk_hashes(doc, chunk_size)}
 
 
 def prompt(num_tokens: int, seed: int) -> list[int]:

@@ -11,13 +11,13 @@ from _fleet import (
     Server,
     Stream,
     chunks_in_bucket,
+    chunks_of,
     prompt,
     server,
     supervisorctl,
 )
 
 from kvtier.completions import Completion
-from kvtier.keys import chunk_hashes
 
 NAMESPACE = "kvtier-verify-fleet"
 DOC_TOKENS = 4096
@@ -29,7 +29,7 @@ def _cross(a: Server, b: Server, seed: int) -> Completion:
     asks for it and must load it from S3."""
     doc = prompt(DOC_TOKENS, seed)
     a.complete(doc, namespace=NAMESPACE)
-    wanted = set(chunk_hashes(doc, CHUNK))
+    wanted = chunks_of(doc, CHUNK)
     deadline = time.monotonic() + 30
     while not wanted <= chunks_in_bucket(NAMESPACE) and time.monotonic() < deadline:
         time.sleep(0.3)  # A's background writes: nothing to wait on but the bucket listing

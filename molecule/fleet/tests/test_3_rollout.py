@@ -21,14 +21,13 @@ import time
 from _fleet import (
     Stream,
     chunks_in_bucket,
+    chunks_of,
     host,
     playbook,
     prompt,
     recap,
     server,
 )
-
-from kvtier.keys import chunk_hashes
 
 NEW_CHUNK = 512
 CHANGE = ("-e", f"vllm_server_kvtier_chunk_size={NEW_CHUNK}")
@@ -59,7 +58,7 @@ def test_a_host_with_another_layout_never_reads_the_others_chunks() -> None:
     doc = prompt(8192, seed=4242)
     ns = "kvtier-verify-fleet"
     cold_1 = s1.complete(doc, namespace=ns)
-    wanted = set(chunk_hashes(doc, int(s1.fact["chunk_size"])))
+    wanted = chunks_of(doc, int(s1.fact["chunk_size"]))
     for _ in range(60):  # serve1's background writes: nothing to wait on but the listing
         if wanted <= chunks_in_bucket(ns):
             break
