@@ -144,7 +144,10 @@ class KvtierConfig(BaseModel):
     )
     #: Also store the trailing chunk that is shorter than ``chunk_size``.
     save_unfull_chunk: bool = False
-    #: Let the connector load KV asynchronously (the connector decides how).
+    #: Load what the S3 tier holds in the background: the request waits outside the batch
+    #: (vLLM's asynchronous load) while the other requests' steps go on, instead of every
+    #: request of the step waiting for its GETs. Hits from the CPU and disk tiers stay in the
+    #: step (they take milliseconds).
     enable_async_loading: bool = False
     #: Timeout for one remote operation (connect + read), and the default flush timeout.
     blocking_timeout_secs: float = Field(default=10.0, ge=0)

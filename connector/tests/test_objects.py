@@ -299,3 +299,22 @@ def test_loads_name_the_object_of_each_chunk_and_saves_start_where_the_tier_ends
     # new chunks 6..11: runs of 4 from chunk 6 on, where the next walk will look for them
     assert [x.chunk_hash for x in plan.saves] == hashes[6:12]
     assert [x.object_hash for x in plan.saves] == [hashes[6]] * 4 + [hashes[10]] * 2
+
+
+def test_a_load_from_s3_is_planned_in_the_background_when_asked() -> None:
+    """With background loads (enable_async_loading), a hit from S3 is planned right after the
+    blocks are allocated, marked for the background, into the blocks vLLM gave; without,
+    it waits until the request is scheduled."""
+    prompt = list(range(4 * CHUNK + 1))
+    found = RemotePrefix(found=4, objects=((0, 4),), requests=1)
+    s = _scheduler(runs=4, remote=found)
+    s.background_loads = True
+    assert s.num_new_matched_tokens("r", prompt, 0) == 4 * CHUNK
+    assert s.loads_in_background("r")
+    s.after_alloc("r", 4 * CHUNK, block_ids=list(range(100, 165)))
+    loads = s.take_plan().loads
+    assert len(loads) == 4 and all(x.background for x in loads)
+    assert loads[0].block_ids == tuple(range(100, 116))
+    quiet = _scheduler(runs=4, remote=found)
+    quiet.num_new_matched_tokens("r", prompt, 0)
+    assert not quiet.loads_in_background("r")

@@ -109,11 +109,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         #: Requests served without kvtier (a namespace not allowed), warned about once each.
         self._bypassed: set[str] = set()
-        if self.cfg.enable_async_loading:
-            log.info(
-                "kvtier: enable_async_loading is not implemented; loads run before the "
-                "forward pass, bounded by blocking_timeout_secs"
-            )
         log.info(
             "kvtier %s connector (%s): config %s, layout %s, fingerprint %s, tiers cpu=%s "
             "disk=%s s3=%s (%d chunks per object)",
@@ -166,6 +161,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             block_size=self.layout.block_size,
             save_unfull_chunk=cfg.save_unfull_chunk,
             object_chunks=self.object_chunks,
+            background_loads=cfg.enable_async_loading,
             cpu_index=CpuTierIndex(cfg.cpu_bytes // blob),
             local_lookup=store.lookup_local if store else None,
             remote_lookup=self._lookups.submit if self._lookups else None,
@@ -222,12 +218,17 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         n = self._scheduler.num_new_matched_tokens(
             request.request_id, request.prompt_token_ids or [], num_computed_tokens, namespace
         )
-        return n, False
+        background = bool(n) and self._scheduler.loads_in_background(request.request_id)
+        return n, background
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is None or num_external_tokens <= 0:
             return
-        self._scheduler.after_alloc(request.request_id, num_external_tokens)
+        req_id = request.request_id
+        # A load in the background is planned now: the request waits outside the batch.
+        background = self._scheduler.loads_in_background(req_id)
+        block_ids = blocks.get_block_ids()[0] if background else None
+        self._scheduler.after_alloc(req_id, num_external_tokens, block_ids)
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
@@ -302,6 +303,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self._plan()
         if plan is not None and self._worker is not None:
             self._worker.save(plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose loads in the background ended (vLLM then schedules them); their
+        failed blocks follow in get_block_ids_with_load_errors, which vLLM calls next."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

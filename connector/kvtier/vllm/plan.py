@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 class LoadSpec:
     """Write blocks ``first .. first+len(block_ids)`` of a stored chunk into `block_ids`. The
     remote tier holds it at ``position`` in the object of the run that starts with chunk
-    ``object_hash`` ("": an object of its own)."""
+    ``object_hash`` ("": an object of its own). ``background``: the request waits outside the
+    batch until its loads end (vLLM's asynchronous load); else the step's forward pass does."""
 
     req_id: str
     chunk_hash: str
@@ -23,6 +24,7 @@ class LoadSpec:
     num_tokens: int
     object_hash: str = ""
     position: int = 0
+    background: bool = False
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,9 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     #: Leading chunks found by the last lookup (None: not looked up yet).
     found_chunks: int | None = None
-    #: Of those, leading chunks expected in the worker's CPU tier.
+    #: Of those, leading chunks expected in the worker's CPU tier, and in any local tier.
     found_in_cpu: int = 0
+    found_local: int = 0
     #: Locally computed tokens when the lookup was made (vLLM's own prefix cache).
     local_tokens: int = 0
     #: The remote lookup while it runs, then what it found (the objects holding the chunks).
@@ -165,6 +166,7 @@ class SchedulerSide:
         local_lookup: Callable[[Sequence[str]], int] | None,
         remote_lookup: Callable[[Sequence[str], int], Future[RemotePrefix]] | None = None,
         object_chunks: int = 1,
+        background_loads: bool = False,
         lookup_timeout: float = 0.1,
         disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
         remote_tier: str = "s3",
@@ -180,6 +182,7 @@ class SchedulerSide:
         self.blocks_per_chunk = chunk_size // block_size
         self.save_unfull_chunk = save_unfull_chunk
         self.object_chunks = object_chunks
+        self.background_loads = background_loads
         self.cpu_index = cpu_index
         self._local_lookup = local_lookup
         self._remote_lookup = remote_lookup
@@ -210,9 +213,9 @@ class SchedulerSide:
             self._reqs[req_id] = st
         return st
 
-    def _lookup(self, req_id: str, st: _Request) -> tuple[int, int] | None:
-        """(leading chunks found, of them in the CPU tier), or None while the remote tier's
-        answer is pending (for at most ``lookup_timeout`` seconds)."""
+    def _lookup(self, req_id: str, st: _Request) -> tuple[int, int, int] | None:
+        """(leading chunks found, of them in the CPU tier, in any local tier), or None while
+        the remote tier's answer is pending (for at most ``lookup_timeout`` seconds)."""
         hashes = st.hashes
         if st.pending is None:
             in_cpu = self.cpu_index.leading(hashes)
@@ -220,7 +223,7 @@ class SchedulerSide:
             if local < len(hashes) and self._local_lookup is not None:
                 local += self._local_lookup(hashes[local:])
             if local == len(hashes) or self._remote_lookup is None:
-                return local, in_cpu
+                return local, in_cpu, local
             future = self._remote_lookup(hashes, local)
             st.pending = _PendingLookup(future, local, in_cpu, time.monotonic())
         p = st.pending
@@ -244,7 +247,7 @@ class SchedulerSide:
         st.remote = remote
         self.counters.remote_lookups += 1
         self.counters.remote_lookup_seconds.append(time.monotonic() - p.started)
-        return max(p.local, remote.found), p.in_cpu
+        return max(p.local, remote.found), p.in_cpu, p.local
 
     # ------------------------------------------------------------------ vLLM hooks
     def num_new_matched_tokens(
@@ -267,7 +270,7 @@ class SchedulerSide:
             found = self._lookup(req_id, st)
             if found is None:
                 return None
-            st.found_chunks, st.found_in_cpu = found
+            st.found_chunks, st.found_in_cpu, st.found_local = found
             self.counters.lookup_requests += 1
             self.counters.lookup_tokens += st.prompt_len
             if self._on_lookup is not None:
@@ -290,15 +293,32 @@ class SchedulerSide:
             "prefix_divergence", divergence.message(req_id, self.chunk_size)
         )
 
+    def loads_in_background(self, req_id: str) -> bool:
+        """Whether the request's planned loads run outside the batch (vLLM's asynchronous
+        load): with ``background_loads``, when the remote tier serves some of them (local
+        tiers answer within a step)."""
+        st = self._reqs.get(req_id)
+        return bool(
+            self.background_loads and st is not None and (st.found_chunks or 0) > st.found_local
+        )
+
     def bypass(self, req_id: str) -> None:
         """Serve the request without kvtier: nothing looked up, loaded or saved."""
         self._reqs[req_id] = _Request(prompt_len=0, hashes=[], enabled=False)
 
-    def after_alloc(self, req_id: str, num_external_tokens: int) -> None:
+    def after_alloc(
+        self, req_id: str, num_external_tokens: int, block_ids: Sequence[int] | None = None
+    ) -> None:
+        """Blocks are allocated for the tokens to load. ``block_ids`` (the request's blocks)
+        come with a load in the background: it is planned now, in the step that follows,
+        where the request itself is not scheduled; else when the request is."""
         st = self._reqs.get(req_id)
         if st is None or num_external_tokens <= 0:
             return
         st.pending_load = (st.local_tokens, num_external_tokens)
+        if block_ids is not None:
+            st.block_ids = list(block_ids)
+            self._plan_load(req_id, st, background=True)
         self.counters.hit_tokens += num_external_tokens
         sources = self._hit_sources(st, st.local_tokens, num_external_tokens)
         for tier, n in sources.items():
@@ -365,7 +385,7 @@ class SchedulerSide:
             self._plan_load(req_id, st)
         self._plan_saves(req_id, st, num_computed_tokens + num_scheduled_tokens)
 
-    def _plan_load(self, req_id: str, st: _Request) -> None:
+    def _plan_load(self, req_id: str, st: _Request, background: bool = False) -> None:
         if st.pending_load is None or st.found_chunks is None:
             return
         start, count = st.pending_load
@@ -385,6 +405,7 @@ class SchedulerSide:
                 num_tokens=hi - lo,
                 object_hash=st.hashes[object_first],
                 position=position,
+                background=background,
             )
             self._plan.loads.append(spec)
             self.cpu_index.add(spec.chunk_hash)  # the worker's get() promotes it into CPU

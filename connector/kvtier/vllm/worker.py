@@ -3,7 +3,10 @@
 - Loads run before the forward pass (vLLM marks the step as having synchronous loads): all
   chunks of the step are fetched in parallel and written into their blocks. The wait is capped
   at ``blocking_timeout_secs``; whatever has not arrived, failed verification or has the wrong
-  size is reported through ``failed_blocks`` so vLLM recomputes those tokens.
+  size is reported through ``failed_blocks`` so vLLM recomputes those tokens. Loads planned in
+  the background (``enable_async_loading``: the request waits outside the batch, vLLM's
+  asynchronous load) run in a thread while the steps of the other requests go on; the request
+  is reported done through ``take_finished``, with its failed blocks, and then scheduled.
 - Saves run in ``wait_for_save`` after the forward pass: the chunks' blocks are copied out
   synchronously (one memcpy per layer; vLLM may reuse the blocks right after the step) and
   handed to the store a run at a time (one S3 object), which writes the slower tiers in the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +61,11 @@ class WorkerSide:
         # One thread waits on the store so a stalled tier cannot hold the forward pass
         # beyond the timeout (the late result is dropped).
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-fetch")
+        # Background loads (vLLM's asynchronous loads), a request at a time each thread.
+        self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-load")
+        self._finished_loads: dict[str, set[int]] = {}
+        # Counters and failed blocks are written by the background loads too.
+        self._lock = threading.Lock()
         self._failed_blocks: set[int] = set()
         self._counters: dict[str, float] = {}
         self._samples: dict[str, list[float]] = {}
@@ -68,25 +77,59 @@ class WorkerSide:
         copier.scatter(copier.gather([0]), 1, 0, [0])
 
     def _count(self, key: str, n: float = 1) -> None:
-        self._counters[key] = self._counters.get(key, 0) + n
+        with self._lock:  # background loads count too
+            self._counters[key] = self._counters.get(key, 0) + n
 
     def _sample(self, key: str, seconds: float) -> None:
         """One duration for a histogram (and its sum as a counter under ``key``)."""
-        self._samples.setdefault(key, []).append(seconds)
+        with self._lock:
+            self._samples.setdefault(key, []).append(seconds)
         self._count(key, seconds)
 
     # ------------------------------------------------------------------ loads
     def load(self, specs: Sequence[LoadSpec]) -> None:
-        if not specs:
-            return
-        start = time.perf_counter()
-        verified_before = self.store.stats().verify_seconds
-        unique = {s.chunk_hash: ChunkRef(s.chunk_hash, s.object_hash, s.position) for s in specs}
-        refs = list(unique.values())
+        """This step's loads: those the forward pass needs now, before it (waited for, up to
+        ``timeout_secs``); those of requests that wait for their KV outside the batch
+        (``background``, vLLM's asynchronous loads) in a thread, each request reported done
+        by `take_finished` once its chunks are in its blocks or known to have failed."""
+        now = [s for s in specs if not s.background]
+        if now:
+            failed = self._load(now, wait=True)
+            with self._lock:
+                self._failed_blocks |= failed
+        later = [s for s in specs if s.background]
+        # A request's chunks are planned together, in prompt order.
+        for req_id, group in itertools.groupby(later, key=lambda spec: spec.req_id):
+            self._background.submit(self._load_later, req_id, list(group))
+
+    def _load_later(self, req_id: str, specs: list[LoadSpec]) -> None:
+        try:
+            failed = self._load(specs, wait=False)
+        except Exception as exc:  # the request must still be reported: its blocks as failed
+            log.warning("kvtier: loading request %s failed: %s", req_id, exc, exc_info=True)
+            failed = {b for spec in specs for b in spec.block_ids}
+        with self._lock:
+            self._finished_loads[req_id] = failed
+
+    def take_finished(self) -> set[str]:
+        """Requests whose background loads ended since the last call; the blocks that did not
+        load are reported by the next `take_failed_blocks` (vLLM asks for both in one step,
+        finished first)."""
+        with self._lock:
+            done, self._finished_loads = self._finished_loads, {}
+            for failed in done.values():
+                self._failed_blocks |= failed
+        return set(done)
+
+    def _fetch(self, refs: list[ChunkRef], wait: bool) -> dict[str, bytes | None]:
+        """Payloads by chunk hash. ``wait``: through the fetch thread, given up after
+        ``timeout_secs`` so a stalled tier cannot hold the forward pass (the late result is
+        dropped); else here (a background load: its S3 client's timeouts bound it)."""
+        if not wait:
+            return dict(zip((r.chunk_id for r in refs), self.store.get_many(refs), strict=True))
         fut = self._fetcher.submit(self.store.get_many, refs)
         try:
             got = fut.result(timeout=self.timeout_secs)
-            payloads = {r.chunk_id: p for r, p in zip(refs, got, strict=True)}
         except FutureTimeout:
             log.warning(
                 "kvtier: loading %d chunks took longer than blocking_timeout_secs=%s; "
@@ -95,23 +138,33 @@ class WorkerSide:
                 self.timeout_secs,
             )
             self._count("load_timeouts")
-            payloads = {}
+            return {}
+        return dict(zip((r.chunk_id for r in refs), got, strict=True))
+
+    def _load(self, specs: Sequence[LoadSpec], wait: bool) -> set[int]:
+        """Fetch, check and write the chunks of ``specs`` into their blocks; the blocks that
+        did not load (vLLM recomputes their tokens)."""
+        start = time.perf_counter()
+        verified_before = self.store.stats().verify_seconds
+        unique = {s.chunk_hash: ChunkRef(s.chunk_hash, s.object_hash, s.position) for s in specs}
+        payloads = self._fetch(list(unique.values()), wait)
         fetched = time.perf_counter()
+        failed: set[int] = set()
         ready: list[tuple[LoadSpec, bytes]] = []
         broken: set[str] = set()  # requests with a failed chunk: vLLM recomputes from there
         for spec in specs:  # in prompt order per request (as planned)
             payload = payloads.get(spec.chunk_hash)
             if spec.req_id in broken:
-                self._fail(spec, "follows a chunk that failed")
+                self._fail(spec, "follows a chunk that failed", failed)
                 continue
             if payload is None:
-                self._fail(spec, "not in any tier, or failed verification")
+                self._fail(spec, "not in any tier, or failed verification", failed)
                 broken.add(spec.req_id)
                 continue
             try:
                 self.copier.check_payload(payload, spec.stored_blocks)
             except LayoutError as exc:
-                self._fail(spec, str(exc))
+                self._fail(spec, str(exc), failed)
                 broken.add(spec.req_id)
                 continue
             ready.append((spec, payload))
@@ -121,30 +174,32 @@ class WorkerSide:
         except Exception as exc:  # a bad copy must become a recompute, never a crash
             log.warning("kvtier: cannot write loaded chunks: %s", exc, exc_info=True)
             for spec, _ in ready:
-                self._fail(spec, "copy failed")
+                self._fail(spec, "copy failed", failed)
             ready = []
-        loaded_chunks = len(ready)
         loaded_tokens = sum(s.num_tokens for s, _ in ready)
-        self._count("loaded_chunks", loaded_chunks)
-        self._count("loaded_tokens", loaded_tokens)
         end = time.perf_counter()
         verify = self.store.stats().verify_seconds - verified_before
+        self._count("loaded_chunks", len(ready))
+        self._count("loaded_tokens", loaded_tokens)
         self._sample("load_seconds", end - start)
         self._count("load_fetch_seconds", fetched - start)
         self._count("load_verify_seconds", verify)
         self._count("load_copy_seconds", end - copy_start)
-        self._load_ended = end
+        if wait:  # the forward pass that follows is timed (step_done)
+            self._load_ended = end
         log.info(
             "kvtier: loaded %d of %d chunks (%d tokens) in %.1f ms (fetch %.1f ms, "
-            "verify %.1f ms summed over its threads; copy %.1f ms)",
-            loaded_chunks,
+            "verify %.1f ms summed over its threads; copy %.1f ms)%s",
+            len(ready),
             len(specs),
             loaded_tokens,
             (end - start) * 1000,
             (fetched - start) * 1000,
             verify * 1000,
             (end - copy_start) * 1000,
+            "" if wait else " in the background",
         )
+        return failed
 
     def step_done(self) -> None:
         """After the forward pass (vLLM calls wait_for_save then): its time, in steps that
@@ -156,7 +211,7 @@ class WorkerSide:
             log.info("kvtier: forward pass after the load: %.1f ms", forward * 1000)
             self._load_ended = None
 
-    def _fail(self, spec: LoadSpec, cause: str) -> None:
+    def _fail(self, spec: LoadSpec, cause: str, failed: set[int]) -> None:
         log.warning(
             "kvtier: chunk %s of request %s not loaded (%s): %d tokens will be recomputed",
             spec.chunk_hash,
@@ -164,12 +219,13 @@ class WorkerSide:
             cause,
             spec.num_tokens,
         )
-        self._failed_blocks.update(spec.block_ids)
+        failed.update(spec.block_ids)
         self._count("load_failed_chunks")
         self._count("load_failed_tokens", spec.num_tokens)
 
     def take_failed_blocks(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     # ------------------------------------------------------------------ saves
@@ -212,11 +268,12 @@ class WorkerSide:
     # ------------------------------------------------------------------ stats / shutdown
     def take_stats(self) -> dict[str, Any]:
         """Counters since the last call, including the store's per-tier counters."""
-        out: dict[str, Any] = dict(self._counters)
-        self._counters = {}
-        for key, samples in self._samples.items():
-            out[key + SAMPLES] = samples
-        self._samples = {}
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            self._counters = {}
+            for key, samples in self._samples.items():
+                out[key + SAMPLES] = samples
+            self._samples = {}
         now = self.store.stats()
         out.update(store_deltas(self._last_store_stats, now))
         self._last_store_stats = now
@@ -224,4 +281,5 @@ class WorkerSide:
 
     def close(self, timeout: float) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._background.shutdown(wait=False, cancel_futures=True)
         self.store.close(timeout)
