@@ -251,9 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     windows = _windows(records, sampler.samples)
     saved = _metric(base, "kvtier:saved_chunks_total") - saved_before
     dropped = _metric(base, "kvtier:dropped_writes_total") - dropped_before
-    objects = None
+    chunks = None
     if cfg is not None and counted:
-        objects = count_chunks(cfg, args.namespace, "s3").get("s3")
+        chunks = count_chunks(cfg, args.namespace, "s3").get("s3")
         purge_namespace(cfg, args.namespace)
     done = [w.requests for w in windows]
     cumulative = [sum(done[: i + 1]) for i in range(len(done))]
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "s3_connections_end": int(last["s3_connections"]),
         "chunks_saved": saved,
         "writes_dropped": dropped,
-        "bucket_objects": objects,
+        "bucket_chunks": chunks,
     }
     return {"summary": summary, "windows": [asdict(w) for w in windows], "records": records}
 
@@ -289,7 +289,7 @@ def _print(result: dict[str, Any]) -> None:
         f"({s['rss_mib_per_1000_requests']} MiB per 1,000 requests); fds {s['fds_start']} -> "
         f"{s['fds_end']}; S3 connections {s['s3_connections_start']} -> "
         f"{s['s3_connections_end']}; chunks saved {s['chunks_saved']:.0f}, dropped "
-        f"{s['writes_dropped']:.0f}, in the bucket {s['bucket_objects']}"
+        f"{s['writes_dropped']:.0f}, in the bucket {s['bucket_chunks']} chunks"
     )
 
 

@@ -64,7 +64,7 @@ def generated_tokens(step: Step, cold: Round, output_tokens: int) -> bool:
     )
 
 
-def bucket_objects(step: Step, stored: int | None, documents: int, chunks_per_doc: int) -> bool:
+def bucket_chunks(step: Step, stored: int | None, documents: int, chunks_per_doc: int) -> bool:
     expected = documents * chunks_per_doc
     return step.check(
         "chunks in the bucket (namespace)",

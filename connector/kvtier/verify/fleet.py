@@ -101,7 +101,7 @@ def _run_steps(
     with timed_step(steps, 2, "chunks in the bucket") as step:
         chunks_per_doc = s.document_tokens // s.cfg.chunk_size
         stored = _wait_for_objects(s, s.documents * chunks_per_doc)
-        checks.bucket_objects(step, stored, s.documents, chunks_per_doc)
+        checks.bucket_chunks(step, stored, s.documents, chunks_per_doc)
     if not step.ok:
         return
     for number, peer in enumerate(s.peers, start=3):

@@ -128,7 +128,7 @@ def _restart(s: Settings, chunks_per_doc: int, step: Step) -> None:
     step.values["purged_local"] = _purge(s, "disk") if s.cfg.local_disk else {}
     counts = _count(s)
     step.values["objects"] = counts
-    checks.bucket_objects(step, counts.get("s3"), s.documents, chunks_per_doc)
+    checks.bucket_chunks(step, counts.get("s3"), s.documents, chunks_per_doc)
     checks.disk_tier_empty(step, counts.get("disk", 0))
 
 
