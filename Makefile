@@ -73,13 +73,19 @@ test-integration: collections vllm-venv
 # What CI runs, in the order that shares the most: the fleet first (it needs this host free of
 # the embedded default's site), then the embedded default's whole site (converge, idempotence,
 # testinfra) left running, so that pytest's integration and e2e tests use its Ceph instead of
-# deploying their own, then its teardown, whatever came before. pytest's summary line is
-# printed again last, so the log ends with the test count.
+# deploying their own, then its teardown, whatever came before. pytest runs twice: the tests
+# that need no server (unit tests, preflight playbooks) on both cores, then the integration and
+# e2e tests one at a time (their timings must not share the cores). The last line sums both.
+PYTEST_LOGS := reports/pytest-ci-unit.log reports/pytest-ci-e2e.log
+
 test: lint test-fleet vllm-venv
-	@mkdir -p reports; rc=0; \
+	@mkdir -p reports; rm -f $(PYTEST_LOGS); rc=0; \
 	$(BIN)/molecule test -s default --destroy never || rc=1; \
 	if [ $$rc = 0 ]; then \
-	  set -o pipefail; $(BIN)/pytest 2>&1 | tee reports/pytest-ci.log || rc=1; \
+	  set -o pipefail; \
+	  $(BIN)/pytest -n 2 --dist loadfile -m "not integration and not e2e" \
+	    2>&1 | tee reports/pytest-ci-unit.log || rc=1; \
+	  $(BIN)/pytest -m "integration or e2e" 2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
 	fi; \
 	$(BIN)/molecule destroy -s default || rc=1; \
-	tail -n 1 reports/pytest-ci.log 2>/dev/null; exit $$rc
+	.ci/pytest-summary $(PYTEST_LOGS); exit $$rc
