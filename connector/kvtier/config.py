@@ -173,7 +173,7 @@ class KvtierConfig(BaseModel):
     s3_client: Literal["auto", "boto3", "crt"] = "auto"
     #: Consecutive chunks of a prompt stored in one S3 object (fewer, larger requests: the
     #: lookup, the reads and the writes cost a request per object, not per chunk). 0: as many
-    #: as fit in 4 MiB, from the model's KV bytes per chunk (1 when one chunk is larger).
+    #: as fit in 8 MiB, from the model's KV bytes per chunk (1 when one chunk is larger).
     #: Part of the layout fingerprint: hosts sharing a bucket must agree.
     remote_chunks_per_object: int = Field(default=0, ge=0, le=64)
     #: Directory where each process writes its stats snapshot (``kvtier stats`` reads it).

@@ -145,10 +145,12 @@ def unpack(
 
 
 #: An object of several chunks is cut at about this size when ``remote_chunks_per_object`` is
-#: 0 (auto): on this RGW a GET costs ~3.4 ms plus ~2.2 ms per MiB (docs/benchmarks.md), so at
-#: 4 MiB the fixed cost is ~30 % of a request instead of ~90 % for a 256 KiB chunk, while a
-#: 16k-token prompt of the tiny model still spreads over 4 GETs in parallel.
-OBJECT_TARGET_BYTES = 4 << 20
+#: 0 (auto). On this RGW a GET costs ~3.4 ms plus ~2.2 ms per MiB (docs/benchmarks.md): at 8 MiB
+#: the fixed cost is ~17 % of a request instead of ~90 % for a 256 KiB chunk. Measured S3 hits
+#: of 16k-token prompts of the tiny model (256 KiB chunks), chunks per object -> seconds:
+#: 1 -> 0.284, 4 -> 0.185, 8 -> 0.160, 16 -> 0.147, 32 -> 0.133, 64 -> 0.125; past 8 MiB the
+#: gain is within noise, while a read that needs a few chunks still fetches the whole object.
+OBJECT_TARGET_BYTES = 8 << 20
 #: Most chunks in one object (its chunk list stays far below S3's 2 KiB of user metadata).
 MAX_OBJECT_CHUNKS = 64
 

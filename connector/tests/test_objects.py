@@ -96,8 +96,8 @@ def test_chunk_lists_and_chunks_per_object() -> None:
     listed = decode_chunk_list(encode_chunk_list(ids))
     assert listed == [short_hash(i) for i in ids] and len(listed[0]) == 16
     assert decode_chunk_list(None) == [] and decode_chunk_list("") == []
-    # the tiny model's 256 KiB chunks: 4 MiB objects; a 7B model's 14 MiB chunk alone
-    assert chunks_per_object(256 * 1024) == 16
+    # the tiny model's 256 KiB chunks: 8 MiB objects; a 7B model's 14 MiB chunk alone
+    assert chunks_per_object(256 * 1024) == 32
     assert chunks_per_object(14 << 20) == 1
     assert chunks_per_object(14 << 20, configured=2) == 2
     assert chunks_per_object(100, configured=500) == 64

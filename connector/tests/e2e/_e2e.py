@@ -27,8 +27,8 @@ from kvtier.vllm.server import (
 VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
 CHUNK = 256
 #: Chunks per S3 object for the tiny model: its 256-token chunk is 256 KiB of KV (2 layers x
-#: 2 KV heads x head 128 x K and V x bf16), so 4 MiB objects hold 16 (kvtier.format).
-OBJECT_CHUNKS = 16
+#: 2 KV heads x head 128 x K and V x bf16), so 8 MiB objects hold 32 (kvtier.format).
+OBJECT_CHUNKS = 32
 OUTPUT_TOKENS = 32
 BATCH_BUDGET = 2048
 

@@ -44,9 +44,9 @@ KEY_FILE = VARS["gateway_profile_api_key_file"].replace(
 )
 CONFIG_FILE = VARS["vllm_server_kvtier_config_file"]
 CHUNK = VARS["vllm_server_kvtier_chunk_size"]
-#: Chunks per S3 object for the tiny model: its 256-token chunk is 256 KiB of KV, so 4 MiB
-#: objects hold 16 (kvtier.format.chunks_per_object).
-OBJECT_CHUNKS = 16
+#: Chunks per S3 object for the tiny model: its 256-token chunk is 256 KiB of KV, so 8 MiB
+#: objects hold 32 (kvtier.format.chunks_per_object).
+OBJECT_CHUNKS = 32
 
 
 def _key(host: Any) -> str:
