@@ -151,6 +151,7 @@ def test_kvtier_config_comes_from_the_inventory(host: Any) -> None:
     assert config["aws_profile"] == VARS["aws_profile_name"]
     assert config["chunk_size"] == CHUNK
     assert config["namespace"] == VARS["vllm_server_kvtier_namespace"]
+    assert config["enable_async_loading"] is True  # the role's default: S3 loads off the step
 
 
 def test_gateway_test_passes_as_the_serving_user(host: Any) -> None:
