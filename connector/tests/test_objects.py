@@ -1,8 +1,7 @@
-"""Runs of chunks in one remote object: the format, the walk that finds them, the store that
-writes and reads them, and the scheduler that cuts a request's saves into runs and tells the
-worker which object holds each chunk it loads. An in-memory tier that keeps objects and their
-chunk lists as S3 does stands in for RGW (test_s3_integration.py runs the same on the real one).
-"""
+"""Runs of chunks in one remote object: the format, the walk that finds them, and the store
+that writes and reads them (the scheduler's side, runs of saves and the object of each load:
+test_vllm_scheduler.py). An in-memory tier that keeps objects and their chunk lists as S3 does
+stands in for RGW (test_s3_integration.py runs the same on the real one)."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from kvtier.prefix import RemotePrefix, walk_objects
 from kvtier.store import ChunkRef, TieredStore
 from kvtier.tiers.base import Stored, Tier
 from kvtier.tiers.cpu import CpuTier
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 
 LAYOUT = bytes.fromhex(FINGERPRINT)
 
@@ -219,102 +217,3 @@ def test_chunks_read_from_an_object_are_promoted_into_the_cpu_tier() -> None:
         gets = tier.gets
         assert store.get_many([h for h, _ in data]) == [p for _, p in data]
         assert tier.gets == gets  # the second read is local
-
-
-# ------------------------------------------------------------------------------------ scheduler
-CHUNK, BLOCK = 256, 16
-
-
-def _scheduler(runs: int, remote: RemotePrefix | None = None) -> SchedulerSide:
-    from concurrent.futures import Future
-
-    answer: Future[RemotePrefix] = Future()
-    answer.set_result(remote or RemotePrefix())
-    return SchedulerSide(
-        chunk_size=CHUNK,
-        block_size=BLOCK,
-        save_unfull_chunk=False,
-        cpu_index=CpuTierIndex(0),
-        local_lookup=lambda hashes: 0,
-        remote_lookup=lambda hashes, start: answer,
-        object_chunks=runs,
-    )
-
-
-def _step(s: SchedulerSide, prompt: list[int], computed: int, scheduled: int) -> None:
-    s.on_scheduled(
-        "r",
-        prompt=prompt if computed == 0 else None,
-        block_ids=list(range(len(prompt) // BLOCK + 1)) if computed == 0 else None,
-        replace_blocks=computed == 0,
-        num_computed_tokens=computed,
-        num_scheduled_tokens=scheduled,
-    )
-
-
-def test_saves_are_runs_saved_once_their_last_chunk_is_computed() -> None:
-    prompt = list(range(10 * CHUNK + 100))  # 10 full chunks and a partial one
-    s = _scheduler(runs=4)
-    assert s.num_new_matched_tokens("r", prompt, 0) == 0
-    _step(s, prompt, 0, 2048)  # chunks 0-7 computed: runs 0-3 and 4-7
-    saves = s.take_plan().saves
-    hashes = chunk_hashes(prompt, CHUNK)
-    assert [x.chunk_hash for x in saves] == hashes[:8]
-    assert [x.object_hash for x in saves] == [hashes[0]] * 4 + [hashes[4]] * 4
-    _step(s, prompt, 2048, 2048)  # 2048..4096: chunks 8, 9 (the last run, short) and the rest
-    saves = s.take_plan().saves
-    assert [x.chunk_hash for x in saves] == hashes[8:10]
-    assert {x.object_hash for x in saves} == {hashes[8]}
-
-
-def test_a_run_waits_for_its_last_chunk_across_steps() -> None:
-    prompt = list(range(8 * CHUNK + 1))
-    s = _scheduler(runs=8)
-    s.num_new_matched_tokens("r", prompt, 0)
-    _step(s, prompt, 0, 1024)  # chunks 0-3 of an 8-chunk run
-    assert s.take_plan().saves == []
-    _step(s, prompt, 1024, 1024)
-    saves = s.take_plan().saves
-    assert len(saves) == 8 and {x.object_hash for x in saves} == {saves[0].chunk_hash}
-    assert saves[0].block_ids == tuple(range(16))  # the first chunk's blocks, still the request's
-
-
-def test_loads_name_the_object_of_each_chunk_and_saves_start_where_the_tier_ends() -> None:
-    prompt = list(range(12 * CHUNK + 1))
-    hashes = chunk_hashes(prompt, CHUNK)
-    found = RemotePrefix(found=6, objects=((0, 4), (4, 2)), requests=2)
-    s = _scheduler(runs=4, remote=found)
-    assert s.num_new_matched_tokens("r", prompt, 0) == 6 * CHUNK
-    s.after_alloc("r", 6 * CHUNK)
-    _step(s, prompt, 0, 12 * CHUNK + 1)
-    plan = s.take_plan()
-    assert [(x.object_hash, x.position) for x in plan.loads] == [
-        (hashes[0], 0),
-        (hashes[0], 1),
-        (hashes[0], 2),
-        (hashes[0], 3),
-        (hashes[4], 0),
-        (hashes[4], 1),
-    ]
-    # new chunks 6..11: runs of 4 from chunk 6 on, where the next walk will look for them
-    assert [x.chunk_hash for x in plan.saves] == hashes[6:12]
-    assert [x.object_hash for x in plan.saves] == [hashes[6]] * 4 + [hashes[10]] * 2
-
-
-def test_a_load_from_s3_is_planned_in_the_background_when_asked() -> None:
-    """With background loads (enable_async_loading), a hit from S3 is planned right after the
-    blocks are allocated, marked for the background, into the blocks vLLM gave; without,
-    it waits until the request is scheduled."""
-    prompt = list(range(4 * CHUNK + 1))
-    found = RemotePrefix(found=4, objects=((0, 4),), requests=1)
-    s = _scheduler(runs=4, remote=found)
-    s.background_loads = True
-    assert s.num_new_matched_tokens("r", prompt, 0) == 4 * CHUNK
-    assert s.loads_in_background("r")
-    s.after_alloc("r", 4 * CHUNK, block_ids=list(range(100, 165)))
-    loads = s.take_plan().loads
-    assert len(loads) == 4 and all(x.background for x in loads)
-    assert loads[0].block_ids == tuple(range(100, 116))
-    quiet = _scheduler(runs=4, remote=found)
-    quiet.num_new_matched_tokens("r", prompt, 0)
-    assert not quiet.loads_in_background("r")
