@@ -18,6 +18,8 @@ the missing chunk fails and vLLM recomputes from there.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,9 +73,12 @@ class RemotePrefix:
     requests: int = 0
 
     def object_of(self, chunk: int) -> tuple[int, int]:
-        """(first chunk index of the object holding ``chunk``, its position in that object)."""
-        for first, count in self.objects:
-            if first <= chunk < first + count:
+        """(first chunk index of the object holding ``chunk``, its position in that object);
+        (chunk, 0) for a chunk in no object of the chain (an object of its own)."""
+        i = bisect.bisect_right(self.objects, (chunk, math.inf)) - 1  # by first chunk index
+        if i >= 0:
+            first, count = self.objects[i]
+            if chunk < first + count:
                 return first, chunk - first
         return chunk, 0
 

@@ -119,7 +119,8 @@ def test_the_walk_follows_aligned_objects_in_one_round() -> None:
     found = _walk(tier, hashes, 16)
     assert found.found == 64 and found.requests == 4
     assert found.objects == ((0, 16), (16, 16), (32, 16), (48, 16))
-    assert found.object_of(37) == (32, 5)
+    assert found.object_of(37) == (32, 5) and found.object_of(48) == (48, 0)
+    assert RemotePrefix(4, ((0, 4),)).object_of(6) == (6, 0)  # in no object: one of its own
     # a longer prompt with the same first 40 chunks: the third object holds 8 of ours
     longer = [*hashes[:40], *chunk_hashes(list(range(5000, 5000 + 30 * 16)), 16)]
     other = _walk(tier, longer, 16)
