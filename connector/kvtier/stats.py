@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import socket
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
 
 _Stats = TypeVar("_Stats", "TierStats", "StoreStats")
 
@@ -210,3 +215,32 @@ def read_stats_dir(directory: str) -> dict[str, StoreStats]:
         except (OSError, ValueError, TypeError):
             continue
     return out
+
+
+class StatsFile:
+    """A store's snapshot written to ``<directory>/<stats_file_name()>`` every ``interval``
+    seconds by a thread, and once more at ``close`` (``kvtier stats`` reads them)."""
+
+    def __init__(self, directory: str, interval: float, snapshot: Callable[[], StoreStats]) -> None:
+        self.path = os.path.join(directory, stats_file_name())
+        self._snapshot = snapshot
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval,), name="kvtier-stats", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.write()
+
+    def write(self) -> None:
+        try:
+            write_stats_file(self.path, self._snapshot())
+        except OSError as exc:
+            log.warning("kvtier: cannot write stats to %s: %s", self.path, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.write()

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -32,7 +31,6 @@ from typing import TypeVar
 from kvtier.config import KvtierConfig
 from kvtier.format import (
     FormatError,
-    encode_chunk_list,
     pack_header,
     short_hash,
     split_object,
@@ -40,8 +38,9 @@ from kvtier.format import (
 )
 from kvtier.prefix import RemotePrefix, leading_present, walk_objects
 from kvtier.ratelimit import RateLimitedLog
-from kvtier.stats import StoreStats, TierStats, stats_file_name, write_stats_file
+from kvtier.stats import StatsFile, StoreStats, TierStats
 from kvtier.tiers.base import Stored, Tier, TierError
+from kvtier.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,13 +55,7 @@ def _hash_bytes(chunk_id: str) -> bytes:
 
 
 def _put_ok(tier: Tier, items: Sequence[tuple[str, Stored]]) -> bool:
-    """One chunk as a blob of its own, or a run of chunks as one object (a remote tier)."""
-    if len(items) == 1:
-        key, (header, payload) = items[0]
-        tier.put(key, header, payload)
-    else:
-        parts = [part for _, item in items for part in item]
-        tier.put_object(items[0][0], parts, encode_chunk_list([k for k, _ in items]))
+    tier.put_chunks(items)
     return True
 
 
@@ -107,56 +100,23 @@ class TieredStore:
         self._lock = threading.Lock()
         self._stats = StoreStats(tiers={t.name: TierStats() for t in self.tiers})
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
-        self._writer = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-write")
-        self._max_inflight = max_inflight_writes
-        self._max_backlog = max_backlog_bytes
-        self._inflight = 0
-        self._backlog = 0
+        self._writer = BackgroundWriter(io_threads, max_inflight_writes, max_backlog_bytes)
         self._warnings = RateLimitedLog(log)
-        self._idle = threading.Condition(self._lock)
         self._closed = False
-        self._stats_path = os.path.join(stats_dir, stats_file_name()) if stats_dir else None
-        self._stop = threading.Event()
-        self._stats_thread: threading.Thread | None = None
-        if stats_dir:
-            self._stats_thread = threading.Thread(
-                target=self._stats_loop, args=(stats_interval,), name="kvtier-stats", daemon=True
-            )
-            self._stats_thread.start()
+        self._stats_file = StatsFile(stats_dir, stats_interval, self.stats) if stats_dir else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(
         cls, cfg: KvtierConfig, fingerprint: str, object_chunks: int = 1
     ) -> TieredStore:
-        """Build the tiers ``cfg`` enables (CPU, disk, S3), fastest first; the remote tier's
-        runs are cut every ``object_chunks`` chunks (the connector derives it from the
-        layout: :func:`kvtier.vllm.layout.chunks_per_object`)."""
-        tiers: list[Tier] = []
-        if cfg.local_cpu and cfg.cpu_bytes > 0:
-            from kvtier.tiers.cpu import CpuTier
+        """A store over the tiers ``cfg`` enables (:func:`kvtier.tiers.tiers_from_config`); the
+        remote tier's runs are cut every ``object_chunks`` chunks (the connector derives it
+        from the layout: :func:`kvtier.format.chunks_per_object`)."""
+        from kvtier.tiers import tiers_from_config
 
-            tiers.append(CpuTier(cfg.cpu_bytes))
-        if cfg.local_disk:
-            from kvtier.tiers.disk import DiskTier
-
-            tiers.append(DiskTier(cfg.local_disk, cfg.disk_bytes))
-        if cfg.remote_url:
-            from kvtier.tiers.guard import CircuitBreaker, GuardedTier
-            from kvtier.tiers.s3 import make_s3_tier
-
-            s3 = make_s3_tier(cfg)
-            breaker = CircuitBreaker(
-                s3.name,
-                s3.probe,
-                threshold=cfg.remote_failure_threshold,
-                retry_secs=cfg.remote_retry_secs,
-            )
-            tiers.append(GuardedTier(s3, breaker))
-        if not tiers:
-            raise ValueError(f"no tier enabled in {cfg.source}")
         return cls(
-            tiers,
+            tiers_from_config(cfg),
             fingerprint,
             cfg.namespace,
             verify_checksums=cfg.verify_checksums,
@@ -432,33 +392,15 @@ class TieredStore:
 
     def _write_async(self, tier: Tier, items: Sequence[tuple[str, Stored]]) -> None:
         size = sum(len(h) + len(p) for _, (h, p) in items)
-        with self._lock:
-            full = self._inflight >= self._max_inflight or self._backlog + size > self._max_backlog
-            if self._closed or full:
+        if not self._writer.submit(size, partial(self._write, tier, items)):
+            with self._lock:  # over the caps (or closing): skipped and counted, never waited for
                 self._stats.dropped_writes += len(items)
                 errs = self._stats.tiers[tier.name].errors
                 errs["backpressure"] = errs.get("backpressure", 0) + len(items)
-                return
-            self._inflight += 1
-            self._backlog += size
-        try:
-            fut: Future[None] = self._writer.submit(self._write, tier, items)
-        except RuntimeError:  # executor shut down between the check and the submit
-            self._write_done(size, None)
-            return
-        fut.add_done_callback(partial(self._write_done, size))
-
-    def _write_done(self, size: int, _fut: Future[None] | None) -> None:
-        with self._lock:
-            self._inflight -= 1
-            self._backlog -= size
-            if self._inflight == 0:
-                self._idle.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background writes are done; ``False`` if ``timeout`` passed first."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+        return self._writer.flush(timeout)
 
     # ------------------------------------------------------------------ admin
     def delete(self, chunk_hash: str) -> None:
@@ -482,31 +424,16 @@ class TieredStore:
                 snap.tiers[tier.name].circuit_open = int(not breaker.allows())
         return snap
 
-    def _stats_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self._write_stats()
-
-    def _write_stats(self) -> None:
-        if not self._stats_path:
-            return
-        try:
-            write_stats_file(self._stats_path, self.stats())
-        except OSError as exc:
-            log.warning("kvtier: cannot write stats to %s: %s", self._stats_path, exc)
-
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish background writes (up to ``timeout``), write the stats file, release tiers."""
         if self._closed:
             return
         if not self.flush(timeout):
             log.warning("kvtier: closing with background writes still in flight")
-        with self._lock:
-            self._closed = True
-        self._stop.set()
-        if self._stats_thread is not None:
-            self._stats_thread.join()
-        self._write_stats()
-        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._closed = True
+        if self._stats_file is not None:
+            self._stats_file.close()
+        self._writer.close()
         self._io.shutdown(wait=True)
         for tier in self.tiers:
             self._guard(tier, "close", "-", tier.close, None)

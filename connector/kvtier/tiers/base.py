@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvtier.format import encode_chunk_list
+
 #: (header, payload) of one stored chunk.
 Stored = tuple[bytes, bytes]
 
@@ -118,6 +120,16 @@ class Tier(ABC):
         (kvtier.format's chunk list; [] for an object of one chunk that lists none). Tiers of
         one chunk per key answer from ``contains_many``."""
         return [[] if present else None for present in self.contains_many(keys)]
+
+    def put_chunks(self, items: Sequence[tuple[str, Stored]]) -> None:
+        """(key, (header, payload)) of consecutive chunks: a blob of its own for one, one
+        object keyed by the first for several (:meth:`put_object`)."""
+        if len(items) == 1:
+            key, (header, payload) = items[0]
+            self.put(key, header, payload)
+            return
+        parts = [part for _, item in items for part in item]
+        self.put_object(items[0][0], parts, encode_chunk_list([key for key, _ in items]))
 
     def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
         """Store one object of several chunks: their blobs (``parts``: header, payload, header,
