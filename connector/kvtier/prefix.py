@@ -96,9 +96,9 @@ def walk_objects(
     ended and cut it every ``span`` chunks, so from a position ``p`` the next objects most
     likely start at p, p+span, p+2*span... (``span``: a first guess, then the length of the last
     object found): each round asks for ``WALK_ROUND`` of them at once and follows the chain
-    while the guesses hold. An object whose chunks stop matching the
-    prompt ends its part of the chain there (another prompt wrote the rest); the walk then asks
-    for an object starting at that chunk. It ends at the first absent object.
+    while the guesses hold. An object whose chunks stop matching the prompt ends its part of
+    the chain there (another prompt wrote the rest); the walk then asks for an object starting
+    at that chunk. It ends at the first absent object.
     """
     n = len(keys)
     objects: list[tuple[int, int]] = []
