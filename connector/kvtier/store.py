@@ -199,7 +199,8 @@ class TieredStore:
         a search of a few requests (kvtier.prefix). With one chunk per object, it searches from
         chunk ``start`` on (the local tiers hold the ones before); with runs of chunks, it
         walks the objects from the first chunk (an object may start before ``start``).
-        Nothing found without a remote tier, or when it fails (counted, logged)."""
+        ``found`` counts from the first chunk; without a remote tier, or when it fails
+        (counted, logged), it is ``start``: nothing beyond what the local tiers hold."""
         remote = self.remote_tier
         if remote is None or start >= len(hashes):
             return RemotePrefix(found=start)

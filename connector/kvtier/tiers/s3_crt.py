@@ -271,7 +271,7 @@ class CrtS3Tier(Tier):
         return None if status == 404 else data
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
-        self._request("PUT", key, ChunkReader(header, payload))
+        self.put_object(key, (header, payload), "")
 
     def put_object(self, key: str, parts: Sequence[bytes], chunk_list: str) -> None:
         self._request("PUT", key, ChunkReader(*parts), chunk_list)
