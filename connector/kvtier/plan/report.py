@@ -284,7 +284,7 @@ def _rgw_lines(plan: dict[str, Any]) -> list[str]:
         if r is not None:
             lines.append(
                 f"  {name}: fleet {r['requests_per_s']:g} requests/s -> "
-                f"HEAD {r['head_per_s']:,.1f}/s, "
+                f"HEAD <= {r['head_per_s']:,.1f}/s, "
                 f"GET {r['get_per_s']:,.1f}/s ({r['get_mib_s']:,.1f} MiB/s), "
                 f"PUT {r['put_per_s']:,.1f}/s ({r['put_mib_s']:,.1f} MiB/s)"
             )

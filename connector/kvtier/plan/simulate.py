@@ -2,13 +2,14 @@
 
 Per request (``connector/kvtier/vllm/scheduler.py``, ``store.py``): the scheduler's CPU index
 gives the leading chunks in the CPU tier (and refreshes them); the rest is looked up in the disk
-tier (a stat) and S3 (HEADs, in windows of 32 from the first chunk missing locally, stopping at
-the first window with a miss; every chunk of the window when S3 is the only tier the scheduler
-asks); at most ``align_down(prompt - 1, block)`` tokens are loaded, each chunk from the fastest
-tier holding it and promoted into the faster ones; the chunks after the found ones are computed
-and written to every tier. Policies: CPU LRU; disk LRU refreshed only by its own reads and
-writes (a chunk served from CPU does not refresh its disk copy); S3 first in, first out (the
-bucket's expiry by age: nothing refreshes it), capped at the bucket's size.
+tier (a stat) and S3 (HEADs counted one per chunk asked beyond the local tiers, in windows of 32
+stopping at the first window with a miss: an upper bound, the connector's lookup is a search of
+a few requests, kvtier.prefix); at most ``align_down(prompt - 1, block)`` tokens are loaded,
+each chunk from the fastest tier holding it and promoted into the faster ones; the chunks after
+the found ones are computed and written to every tier. Policies: CPU LRU; disk LRU refreshed
+only by its own reads and writes (a chunk served from CPU does not refresh its disk copy); S3
+first in, first out (the bucket's expiry by age: nothing refreshes it), capped at the bucket's
+size.
 
 Chunks are keyed by conversation and position in the synthetic stream, or by the prompts' real
 chunk hashes (`requests_from_prompts`), e.g. experiment C's stream.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from kvtier.keys import chunk_hashes
 from kvtier.plan.workload import TIERS, RequestMix, Workload
 
-_WINDOW = 32  # store.lookup_prefix's window of parallel HEADs
+_WINDOW = 32  # chunks counted per round of the (upper-bound) S3 HEAD count
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -23,7 +24,13 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvtier.format import HEADER_SIZE
+from kvtier.ratelimit import RateLimitedLog
 from kvtier.tiers.base import Stored, Tier, TierError
+
+log = logging.getLogger(__name__)
+# A filesystem full below the cap is a misconfiguration the operator must hear of, even when
+# the retry after eviction succeeds; once every few seconds is enough.
+_warnings = RateLimitedLog(log)
 
 _SUFFIX = ".kvt"
 _TMP_SUFFIX = ".tmp"
@@ -184,7 +191,14 @@ class DiskTier(Tier):
                 raise TierError("io_error", f"cannot write {path}: {exc}") from exc
             # The filesystem is fuller than our cap says (other writers): free room and retry once.
             with self._lock:
+                used = self._used
                 victims = self._evict_bytes_locked(2 * size)
+            _warnings.warning(
+                ("disk_full", self.root),
+                f"the filesystem of the disk tier {self.root} is full (No space left) with "
+                f"{used} of the {self.capacity_bytes} bytes of its cap in use (another writer "
+                f"on it, or a cap above its size): evicting {len(victims)} chunks",
+            )
             for victim in victims:
                 self._unlink(victim)
             try:
