@@ -11,14 +11,6 @@ Imported only when vLLM's KV cache is on a CUDA device (the CPU build never impo
 - scatter (a load), on the same stream, after the current stream's work: one DMA from a pinned
   slot (a pageable payload is first copied into one) into staging, one launch into the pages;
   the current stream waits for it (the forward pass reads the blocks after), the host does not.
-- direct (Triton mode, one chunk alone: ``gather_to_host``, ``scatter_many`` of one payload):
-  the kernel reads/writes the pinned slot itself over PCIe (zero-copy; the block ids too) and
-  there is no staging buffer, no DMA, one launch. A lone chunk is bound by the host's time to
-  queue work, which this halves; measured on the H200 it is what brings a 14.7 MB chunk from
-  0.56-0.76 to 0.80-0.86 of the link. Chunks back to back (``gather_iter``, ``scatter_many``
-  of several) keep the staged path: there the kernel of one chunk overlaps the DMA of another.
-  The current stream then waits for the whole transfer, not the kernel only: the save path
-  waits for the payload on the host anyway.
 
 The pinned pool has `slots` slots of one chunk payload each, allocated once (sized from the
 chunk, or from the first payload and grown when a larger one comes): nothing is pinned per
@@ -59,26 +51,19 @@ class _IdsRing:
         self.used = [False] * entries
         self.next = 0
 
-    def put(self, ids: Sequence[int], stream: Any, *, on_device: bool = True) -> tuple[Any, int]:
-        """(the ids as a tensor, its row): on the device (copy queued on `stream`, the current
-        stream), or the pinned host row itself (``on_device=False``: the kernel reads it over
-        PCIe). The caller calls ``done(row, stream)`` once the kernel that reads it is queued."""
+    def put(self, ids: Sequence[int], stream: Any) -> Any:
+        """The ids on the device (copy queued on `stream`, the current stream)."""
         k = self.next
         self.next = (k + 1) % len(self.events)
         if self.used[k]:
             self.events[k].synchronize()
         n = len(ids)
         self._host_np[k, :n] = ids
-        if not on_device:
-            return self.host[k, :n], k
         dev = self.dev[k, :n]
         dev.copy_(self.host[k, :n], non_blocking=True)
-        return dev, k
-
-    def done(self, row: int, stream: Any) -> None:
-        """Everything that reads `row` is queued on `stream`: reuse it once that has run."""
-        self.events[row].record(stream)
-        self.used[row] = True
+        self.events[k].record(stream)
+        self.used[k] = True
+        return dev
 
 
 class CudaBlockCopier:
@@ -170,14 +155,9 @@ class CudaBlockCopier:
         return PinnedHostBuffer(pool, pool.acquire(), nbytes)
 
     # ------------------------------------------------------------------ gather
-    def gather_to_host(
-        self, block_ids: Sequence[int], *, direct: bool | None = None
-    ) -> PinnedHostBuffer:
-        """One chunk into a pinned slot; ``direct`` (default: in Triton mode) writes the slot
-        from the kernel (zero-copy), else through the staging buffer and one DMA."""
+    def gather_to_host(self, block_ids: Sequence[int]) -> PinnedHostBuffer:
         n = len(block_ids)
         nbytes = self.layout.payload_nbytes(n)
-        direct = self.mode == "triton" if direct is None else direct
         buf = self.host_buffer(nbytes)
         try:
             with self._lock:
@@ -187,15 +167,10 @@ class CudaBlockCopier:
                 s.wait_event(self._ev_cur)
                 with torch.cuda.stream(s):
                     assert self._ids is not None
-                    ids, row = self._ids.put(block_ids, s, on_device=not direct)
-                    if direct:
-                        self._copy_pages(ids, n, n, 0, to_payload=True, payload=buf.tensor)
-                    else:
-                        self._copy_pages(ids, n, n, 0, to_payload=True)
-                    self._ids.done(row, s)
+                    ids = self._ids.put(block_ids, s)
+                    self._copy_pages(ids, n, n, 0, to_payload=True)
                     self._ev_read.record(s)
-                    if not direct:
-                        buf.tensor.copy_(self._staging[:nbytes], non_blocking=True)
+                    buf.tensor.copy_(self._staging[:nbytes], non_blocking=True)
                     buf.pool.record(buf.slot, s)
                 cur.wait_event(self._ev_read)
         except BaseException:
@@ -210,8 +185,7 @@ class CudaBlockCopier:
         queued: deque[tuple[int, PinnedHostBuffer]] = deque()
         try:
             for i, ids in enumerate(block_id_lists):
-                # staged: one chunk's DMA overlaps the next one's kernel
-                queued.append((i, self.gather_to_host(ids, direct=False)))
+                queued.append((i, self.gather_to_host(ids)))
                 if len(queued) >= ahead:
                     yield queued.popleft()
             while queued:
@@ -236,8 +210,6 @@ class CudaBlockCopier:
                 raise LayoutError(
                     f"blocks {first}..{first + len(block_ids)} of a payload of {stored} blocks"
                 )
-        # One payload alone: read by the kernel from its pinned slot (see the module's doc).
-        direct = self.mode == "triton" and len(items) == 1
         with self._lock:
             cur = torch.cuda.current_stream(self.device)
             s = self.stream
@@ -249,15 +221,10 @@ class CudaBlockCopier:
                 try:
                     with torch.cuda.stream(s):
                         assert self._ids is not None
-                        ids, row = self._ids.put(block_ids, s, on_device=not direct)
-                        n = len(block_ids)
-                        if direct:
-                            self._copy_pages(ids, n, stored, first, to_payload=False, payload=src)
-                        else:
-                            self._staging[:nbytes].copy_(src, non_blocking=True)
-                            self._copy_pages(ids, n, stored, first, to_payload=False)
-                        self._ids.done(row, s)
+                        ids = self._ids.put(block_ids, s)
+                        self._staging[:nbytes].copy_(src, non_blocking=True)
                         pool.record(slot, s)
+                        self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
                 finally:
                     if bounce:
                         pool.release(slot)
@@ -286,18 +253,10 @@ class CudaBlockCopier:
 
     # ------------------------------------------------------------------ the copy itself
     def _copy_pages(
-        self,
-        ids: Any,
-        num_ids: int,
-        payload_blocks: int,
-        payload_first: int,
-        *,
-        to_payload: bool,
-        payload: Any = None,
+        self, ids: Any, num_ids: int, payload_blocks: int, payload_first: int, *, to_payload: bool
     ) -> None:
         """Pages `ids` of every layer <-> payload blocks ``payload_first ..`` of the staging
-        buffer (or of `payload`, a pinned host tensor: Triton mode only) holding
-        `payload_blocks` blocks per layer; on the current stream."""
+        buffer holding `payload_blocks` blocks per layer; on the current stream."""
         g = self.geometry
         if num_ids == 0:
             return
@@ -306,7 +265,7 @@ class CudaBlockCopier:
 
             _triton_copy.launch(
                 self._kv_words,
-                (self._staging if payload is None else payload).view(self._word_dtype),
+                self._staging.view(self._word_dtype),
                 self._layer_offsets,
                 ids,
                 num_layers=self.layout.num_layers,

@@ -208,8 +208,7 @@ def bench_copies(
             k = 8
 
             # Streamed as the worker does it: a save's chunks through gather_iter, a load's
-            # chunks in one scatter_many (both staged: one chunk's DMA overlaps another's
-            # kernel); one chunk alone goes direct (zero-copy) in Triton mode.
+            # chunks in one scatter_many (one chunk's DMA overlaps another's kernel).
             def gather_stream(copier: Any = copier, k: int = k) -> None:
                 for _, buf in copier.gather_iter([table() for _ in range(k)]):
                     buf.view()
@@ -351,13 +350,7 @@ def bench_overlap(
         i = 0
         prev = None
         while not end.query():
-            if kind == "gather_staged":  # what a lone chunk took before the direct path
-                buf = copier._cuda.gather_to_host(rng.sample(range(NUM_BLOCKS), n), direct=False)
-                if prev is not None:
-                    prev.view()
-                    prev.release()
-                prev = buf
-            elif kind == "gather" or (kind == "both" and i % 2 == 0):
+            if kind == "gather" or (kind == "both" and i % 2 == 0):
                 buf = copier.gather_to_host(rng.sample(range(NUM_BLOCKS), n))
                 if prev is not None:
                     prev.view()
@@ -389,7 +382,7 @@ def bench_overlap(
         "alone_ms": statistics.median(base),
         "alone_ms_all": base,
     }
-    for kind in ("gather", "scatter", "both", "gather_staged"):
+    for kind in ("gather", "scatter", "both"):
         with_copies(kind)  # warm-up
         runs = [with_copies(kind) for _ in range(3)]
         ms = statistics.median(r[0] for r in runs)
@@ -585,7 +578,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             + "; ".join(
                 f"{k} {ov[k]['with_copies_ms']:.1f} ms ({ov[k]['slowdown']:+.1%}, copies "
                 f"{ov[k]['copy_gbps']:.1f} GB/s)"
-                for k in ("gather", "scatter", "both", "gather_staged")
+                for k in ("gather", "scatter", "both")
             ),
             flush=True,
         )

@@ -248,23 +248,3 @@ def test_gather_iter_streams_chunks_in_order() -> None:
     held = [copier.host_buffer(16) for _ in range(3)]
     for buf in held:
         buf.release()
-
-
-@pytest.mark.parametrize("cache_layout", ["LBNHC", "LBHNC"])
-def test_direct_and_staged_copies_agree(cache_layout: str) -> None:
-    """Triton mode copies a lone chunk straight between the pages and the pinned slot
-    (zero-copy) and chunks back to back through the staging buffer: both bit-exact."""
-    layout, src = _caches(cache_layout)
-    _, dst = _caches(cache_layout)
-    before = [d.clone() for d in dst]
-    rng = random.Random(cache_layout)
-    ids = rng.sample(range(NUM_BLOCKS), 16)
-    cuda = BlockCopier(layout, src, max_blocks=16, cuda_mode="triton")._cuda
-    with cuda.gather_to_host(ids, direct=True) as a, cuda.gather_to_host(ids, direct=False) as b:
-        direct, staged = bytes(a.view()), bytes(b.view())
-    assert direct == staged == _reference(src, ids, layout.variant)
-    targets = rng.sample(range(NUM_BLOCKS), 48)
-    back = BlockCopier(layout, dst, max_blocks=16, cuda_mode="triton")
-    back.scatter_many([(direct, 16, 0, targets[:16])])  # alone: direct
-    back.scatter_many([(direct, 16, 0, targets[16:32]), (staged, 16, 0, targets[32:])])
-    _assert_moved(src, ids * 3, dst, before, targets)

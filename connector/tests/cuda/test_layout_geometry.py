@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 import vllm032_kv as vk  # noqa: E402
 
 from kvtier.vllm import layout as kvl  # noqa: E402
+from kvtier.vllm.copier import BlockCopier  # noqa: E402
 
 ALL = [(b, lay) for b in vk.BACKEND_LAYOUTS for lay in vk.backend_layouts(b)]
 SHAPES = {"gqa": (3, 4, 16, 64), "one_head": (2, 1, 16, 32)}  # layers, kv heads, block, head
@@ -170,7 +171,7 @@ def test_cpu_host_buffer_api_matches_gather() -> None:
         block_size=block,
         block_shape=(heads, block, 2 * head),
     )
-    copier = kvl.BlockCopier(layout, tensors)
+    copier = BlockCopier(layout, tensors)
     ids = [4, 1, 9]
     with copier.gather_to_host(ids) as buf:
         assert bytes(buf.view()) == copier.gather(ids)
@@ -179,7 +180,7 @@ def test_cpu_host_buffer_api_matches_gather() -> None:
         assert bytes(buf.view()) == copier.gather([[1], ids][i])
         buf.release()
     dst = [torch.zeros_like(t) for t in tensors]
-    back = kvl.BlockCopier(layout, dst)
+    back = BlockCopier(layout, dst)
     target = back.host_buffer(len(held))
     target.view()[:] = held
     back.scatter_many([(target, 3, 1, [6, 7])])
