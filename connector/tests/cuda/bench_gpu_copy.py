@@ -186,19 +186,21 @@ def bench_copies(
         plain_d2h_stream = _gbps(8 * nbytes, _median_time(d2h_stream, 5))
         plain_h2d_stream = _gbps(8 * nbytes, _median_time(h2d_stream, 5))
         for mode in modes:
-            # 4 slots as the worker has, + the 2 that src and src2 hold for the scatters
-            copier = BlockCopier(layout, tensors, max_blocks=n, pinned_buffers=6, cuda_mode=mode)
+            copier = BlockCopier(layout, tensors, max_blocks=n, pinned_buffers=4, cuda_mode=mode)
             cuda = copier._cuda
+            # The scatters' sources are pinned slots of another pool (as a fetched payload may
+            # be): gather_iter takes all but one of the copier's own slots.
+            feeder = BlockCopier(layout, tensors, max_blocks=n, pinned_buffers=2, cuda_mode=mode)
 
             def gather_one(copier: Any = copier) -> None:
                 buf = copier.gather_to_host(table())
                 buf.view()
                 buf.release()
 
-            src = copier.host_buffer(nbytes)
+            src = feeder.host_buffer(nbytes)
             with copier.gather_to_host(table()) as g:
                 src.view()[:] = g.view()
-            src2 = copier.host_buffer(nbytes)
+            src2 = feeder.host_buffer(nbytes)
             src2.view()[:] = src.view()
 
             def scatter_one(copier: Any = copier, src: Any = src, n: int = n) -> None:
@@ -259,6 +261,7 @@ def bench_copies(
             src.release()
             src2.release()
             copier.close()
+            feeder.close()
             rows.append(row)
             print(_fmt_row(row), flush=True)
         if legacy:

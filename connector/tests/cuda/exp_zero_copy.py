@@ -1,5 +1,7 @@
 """Experiment (by hand, H200): the Triton kernel reading/writing the pinned host slot directly
-(zero-copy over PCIe) instead of device staging + one DMA, for one chunk at a time.
+(zero-copy over PCIe) instead of device staging + one DMA, for one chunk at a time; and the
+same copy on a few SMs only (a persistent grid of P programs looping over the pieces), timed
+alone and beside a loop of matmuls on another stream (what it costs the forward pass).
 
     PYTHONPATH=connector:connector/tests/cuda python connector/tests/cuda/exp_zero_copy.py
 """
@@ -12,12 +14,116 @@ import time
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 import vllm032_kv as vk
 from bench_gpu_copy import BLOCK, NUM_BLOCKS, SHAPES, _layout
 
 from kvtier.vllm import _triton_copy
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.layout import check_tensors
+
+
+@triton.jit
+def _persistent_copy(
+    kv,
+    payload,
+    layer_offsets,
+    block_ids,
+    num_ids,
+    block_stride,
+    run_stride,
+    run_words,
+    runs,
+    pieces,
+    total,
+    TO_PAYLOAD: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """_triton_copy's kernel, each of a few programs looping over (page, piece) items."""
+    per_page = runs * pieces
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        page = w // per_page
+        piece = w - page * per_page
+        layer = page // num_ids
+        j = page - layer * num_ids
+        r = piece // pieces
+        p = piece - r * pieces
+        kv_off = (
+            tl.load(layer_offsets + layer)
+            + tl.load(block_ids + j) * block_stride
+            + r.to(tl.int64) * run_stride
+            + p * BLOCK
+        )
+        kv_off = tl.multiple_of(kv_off, VEC)
+        pl_off = (page.to(tl.int64) * runs + r) * run_words
+        pl_off = tl.multiple_of(pl_off + p * BLOCK, VEC)
+        idx = tl.arange(0, BLOCK)
+        mask = p * BLOCK + idx < run_words
+        if TO_PAYLOAD:
+            tl.store(payload + pl_off + idx, tl.load(kv + kv_off + idx, mask=mask), mask=mask)
+        else:
+            tl.store(kv + kv_off + idx, tl.load(payload + pl_off + idx, mask=mask), mask=mask)
+
+
+def persistent_launch(
+    cuda: Any, payload: Any, ids: Any, n: int, programs: int, to_payload: bool
+) -> None:
+    g = cuda.geometry
+    block = min(4096, triton.next_power_of_2(g.run_words))
+    pieces = triton.cdiv(g.run_words, block)
+    _persistent_copy[(programs,)](
+        cuda._kv_words,
+        payload.view(cuda._word_dtype),
+        cuda._layer_offsets,
+        ids,
+        n,
+        g.block_stride,
+        g.run_stride,
+        g.run_words,
+        g.runs,
+        pieces,
+        cuda.layout.num_layers * n * g.runs * pieces,
+        TO_PAYLOAD=to_payload,
+        VEC=max(1, g.align // g.word),
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
+    )
+
+
+def overlap(run_copy: Any, size: int) -> tuple[float, float]:
+    """(matmul loop alone ms, with lone chunks copied meanwhile on another stream ms)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    mm = torch.cuda.Stream()
+    iters = 40 * (8192 // size) ** 3
+
+    def loop() -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(mm):
+            start.record(mm)
+            for _ in range(iters):
+                torch.mm(a, b)
+            end.record(mm)
+        return start, end
+
+    def alone() -> float:
+        start, end = loop()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def with_copies() -> float:
+        start, end = loop()
+        while not end.query():
+            run_copy()
+        return float(start.elapsed_time(end))
+
+    for _ in range(2):
+        alone()
+        with_copies()
+    base = statistics.median(alone() for _ in range(5))
+    return base, statistics.median(with_copies() for _ in range(3))
 
 
 def med(fn: Any, reps: int = 50, warm: int = 5) -> float:
@@ -31,7 +137,68 @@ def med(fn: Any, reps: int = 50, warm: int = 5) -> float:
     return statistics.median(ts)
 
 
-def case(shape: str, chunk: int, cache_layout: str = "LBNHC") -> None:
+def few_sms(
+    cuda: Any,
+    copier: Any,
+    slot_t: Any,
+    ids_host: Any,
+    table: Any,
+    plain: Any,
+    gather_one: Any,
+    with_overlap: bool,
+) -> None:
+    """The persistent kernel on P programs: correct, its lone-chunk rate, and what it costs a
+    matmul loop on another stream (beside the staged copier's lone gather)."""
+    n = ids_host.numel()
+    ids_np = ids_host.numpy()
+    nbytes = slot_t.numel()
+    side = torch.cuda.Stream()
+
+    def pers(to_payload: bool, programs: int) -> Any:
+        def run() -> None:
+            ids_np[:] = table()
+            with torch.cuda.stream(side):
+                persistent_launch(cuda, slot_t, ids_host, n, programs, to_payload)
+            side.synchronize()
+
+        return run
+
+    for programs in (4, 16):
+        t = table()
+        ids_np[:] = t
+        slot_t.fill_(0xA5)
+        persistent_launch(cuda, slot_t, ids_host, n, programs, True)
+        torch.cuda.synchronize()
+        with copier.gather_to_host(t) as ref:
+            same = bytes(ref.view()) == bytes(slot_t.numpy().tobytes())
+        print(f"persistent P={programs} gather correct: {same}", flush=True)
+    base = med(plain)
+    for programs in (2, 4, 8, 16, 32, 132):
+        for to_payload in (True, False):
+            t = med(pers(to_payload, programs))
+            kind = "gather" if to_payload else "scatter"
+            print(
+                f"  P={programs:3} {kind:7} {t * 1e6:8.1f} us {nbytes / t / 1e9:6.1f} GB/s "
+                f"{base / t:5.2f} of plain",
+                flush=True,
+            )
+    if not with_overlap:
+        return
+    for size in (4096, 8192):
+        alone, with_ = overlap(gather_one, size)
+        print(f"  overlap {size}^3: staged lone gather {with_ / alone - 1:+.1%}", flush=True)
+        for programs in (2, 4, 8, 16):
+            for to_payload in (True, False):
+                alone, with_ = overlap(pers(to_payload, programs), size)
+                kind = "gather" if to_payload else "scatter"
+                print(
+                    f"  overlap {size}^3: P={programs} {kind} {with_ / alone - 1:+.1%} "
+                    f"(alone {alone:.1f} ms)",
+                    flush=True,
+                )
+
+
+def case(shape: str, chunk: int, cache_layout: str = "LBNHC", with_overlap: bool = False) -> None:
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)
     tensors = vk.allocate_kv_caches(
@@ -152,6 +319,7 @@ def case(shape: str, chunk: int, cache_layout: str = "LBNHC") -> None:
         zc_launch(slot_t, False)
         with copier.gather_to_host(t) as back:
             print("zc scatter round trip:", bytes(back.view()) == bytes(slot_t.numpy().tobytes()))
+    few_sms(cuda, copier, slot_t, ids_host, table, plain, gather_one, with_overlap)
     src.release()
     pool.release(slot)
     copier.close()
@@ -162,4 +330,4 @@ def case(shape: str, chunk: int, cache_layout: str = "LBNHC") -> None:
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name())
     for shape, chunk in (("7B", 256), ("7B", 512), ("70B", 256), ("70B", 512)):
-        case(shape, chunk)
+        case(shape, chunk, with_overlap=(shape, chunk) in (("7B", 256), ("70B", 512)))
