@@ -17,7 +17,7 @@ PYTEST_PIN := $(shell grep -om1 'pytest==[0-9.]*' pyproject.toml)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv collections deploy teardown lint test test-unit test-integration test-molecule test-fleet test-cuda-cpu vllm-venv
+.PHONY: help venv collections deploy teardown lint test test-deps test-host test-unit test-integration test-molecule test-fleet test-cuda-cpu vllm-venv
 
 help:
 	@echo "make deploy    - bootstrap .venv + collections, run ansible-playbook site.yml (INVENTORY=$(INVENTORY))"
@@ -79,18 +79,53 @@ test-integration: collections vllm-venv
 test-cuda-cpu: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest connector/tests/cuda -p no:cacheprovider
 
+# What the tests need beyond what the roles install: python3-ceph-common (Ceph's own spec
+# classes validate the cephadm specs), prometheus (promtool checks and unit-tests monitoring/'s
+# alert rules). Installed here, so that the README's `make test` passes on a fresh host.
+TEST_PACKAGES := python3-ceph-common prometheus
+
+test-deps:
+	@missing=$$(for p in $(TEST_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "make test: installing Debian packages the tests use:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# The site `make deploy` left on this host: the fleet scenario needs this host's Ceph paths
+# (/etc/ceph, /var/lib/ceph) and ports, so make test says so before any work and tears it down;
+# the default scenario then converges the same site (site.yml, inventories/local's group_vars),
+# and make test leaves it running at the end instead of destroying it.
+SITE_WAS_UP := reports/.site-was-up
+
+test-host:
+	@mkdir -p reports; rm -f $(SITE_WAS_UP); \
+	mons=$$(for pid in $$(pgrep -x ceph-mon); do \
+	  ip netns identify $$pid | grep -q . || echo $$pid; done); \
+	if [ -n "$$mons" ] || [ -e /etc/kvtier/kvtier.yaml ]; then \
+	  touch $(SITE_WAS_UP); \
+	  echo "make test: the embedded default's site (make deploy) is on this host. The fleet"; \
+	  echo "  scenario needs its Ceph paths and ports: tearing it down now (make teardown)."; \
+	  echo "  The default scenario deploys the same site again; it is left running at the end."; \
+	  $(MAKE) --no-print-directory teardown >reports/test-teardown.log 2>&1 \
+	    || { echo "make test: make teardown failed, see reports/test-teardown.log"; exit 1; }; \
+	fi
+
 # What CI runs, in the order that shares the most: the fleet first (it needs this host free of
 # the embedded default's site), then the embedded default's whole site (converge, idempotence,
 # testinfra) left running, so that pytest's integration and e2e tests use its Ceph instead of
-# deploying their own, then its teardown, whatever came before. pytest runs three times: the
-# tests that need no server (unit tests, preflight playbooks) on both cores, then the
-# integration and e2e tests one at a time (their timings must not share the cores), then the
-# CUDA directory under the vLLM venv (test-cuda-cpu). The last line sums the three.
+# deploying their own, then its teardown (unless `make deploy` had left a site up: then it
+# stays), whatever came before. pytest runs three times: the tests that need no server (unit
+# tests, preflight playbooks) on both cores, then the integration and e2e tests one at a time
+# (their timings must not share the cores), then the CUDA directory under the vLLM venv
+# (test-cuda-cpu). The last line sums the three.
 PYTEST_LOGS := reports/pytest-ci-unit.log reports/pytest-ci-e2e.log reports/pytest-ci-cuda.log
 
-test: lint test-fleet vllm-venv
-	@mkdir -p reports; rm -f $(PYTEST_LOGS); rc=0; \
-	$(BIN)/molecule test -s default --destroy never || rc=1; \
+test: test-host test-deps
+	@rm -f $(PYTEST_LOGS); rc=0; \
+	$(MAKE) --no-print-directory lint test-fleet vllm-venv || rc=1; \
+	if [ $$rc = 0 ]; then $(BIN)/molecule test -s default --destroy never || rc=1; fi; \
 	if [ $$rc = 0 ]; then \
 	  set -o pipefail; \
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not integration and not e2e" \
@@ -99,5 +134,9 @@ test: lint test-fleet vllm-venv
 	    2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
 	  $(MAKE) --no-print-directory test-cuda-cpu 2>&1 | tee reports/pytest-ci-cuda.log || rc=1; \
 	fi; \
-	$(BIN)/molecule destroy -s default || rc=1; \
+	if [ -e $(SITE_WAS_UP) ] && [ $$rc = 0 ]; then \
+	  echo "make test: the embedded default's site is left running, as make deploy had left it"; \
+	else \
+	  $(BIN)/molecule destroy -s default || rc=1; \
+	fi; \
 	.ci/pytest-summary $(PYTEST_LOGS); exit $$rc

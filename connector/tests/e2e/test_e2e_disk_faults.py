@@ -13,7 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _e2e import CHUNK, OUTPUT_TOKENS, Counters, Servers, prompt
+from _e2e import (
+    CHUNK,
+    OUTPUT_TOKENS,
+    Counters,
+    Servers,
+    assert_same_tokens,
+    prompt,
+    prompt_resumed_at_a_step_boundary,
+)
 
 from kvtier.keys import chunk_hashes
 
@@ -65,6 +73,7 @@ def test_a_disk_tier_filled_to_the_brim_evicts_and_keeps_serving(
         c = Counters(srv)
         again = srv.complete(docs[-1], max_tokens=OUTPUT_TOKENS)
         disk_hits = c.delta("kvtier:tier_hits_total", tier="disk")
+        resumed = c.resumed_at()
     finally:
         stop.set()
         if filler.is_alive():
@@ -76,6 +85,7 @@ def test_a_disk_tier_filled_to_the_brim_evicts_and_keeps_serving(
     assert "is full (No space left)" in log
     # What was written last is still there: a hit, with the same tokens.
     assert disk_hits >= 1
+    assert prompt_resumed_at_a_step_boundary(resumed), resumed
     assert again.token_ids == rest[-1].token_ids
 
 
@@ -97,8 +107,9 @@ def test_kill_9_while_writing_leaves_nothing_half_written_that_is_read_back(
     srv.start()
     assert not list(disk.rglob("*.tmp")), "temp files of the crash are left"
     c = Counters(srv)
-    again = [srv.complete(d, max_tokens=OUTPUT_TOKENS) for d in docs]
-    assert [a.token_ids for a in again] == [b.token_ids for b in cold]
+    for doc, reference in zip(docs, cold, strict=True):
+        each = Counters(srv)
+        assert_same_tokens(srv.complete(doc, max_tokens=OUTPUT_TOKENS), reference, each)
     # The torn chunk is caught (truncated) and recomputed from there; the others load.
     assert c.delta("kvtier:tier_errors_total", tier="disk", cause="truncated") >= 1
     assert c.delta("kvtier:loaded_tokens_total") >= (5 + 2 * 15) * CHUNK

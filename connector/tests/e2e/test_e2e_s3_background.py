@@ -13,7 +13,7 @@ import struct
 import threading
 
 import pytest
-from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
+from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_tokens, prompt
 
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
@@ -45,7 +45,7 @@ def test_a_repeat_is_loaded_in_the_background_with_the_same_tokens(
     warm = server.complete(DOC, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(DOC), server.log_tail()
     assert c.delta("kvtier:load_failed_tokens_total") == 0
-    assert warm.token_ids == cold.token_ids
+    assert_same_tokens(warm, cold, c)
     assert "in the background" in server.log_text()
 
 
@@ -70,16 +70,18 @@ def test_a_chunk_that_fails_in_the_background_is_recomputed(
     assert c.delta("kvtier:tier_errors_total", tier="s3", cause="checksum") >= 1
     assert c.delta("kvtier:loaded_tokens_total") == MIDDLE * CHUNK, server.log_tail()
     assert c.delta("kvtier:load_failed_tokens_total") > 0
-    assert out.token_ids == cold.token_ids
+    assert_same_tokens(out, cold, c)
 
 
 def test_a_miss_is_answered_while_another_request_loads(
     server: VllmServer, s3_target: S3Target
 ) -> None:
-    """Both requests end, with their tokens; the miss is not held up by the other's load."""
+    """Both requests end, with their tokens, and the hit loads every chunk it found. Its tokens
+    are not compared with its cold run's: the two requests share prefill steps in an order no
+    test controls (_e2e's docstring says why that matters); the sequential test above compares."""
     long_doc = prompt(8_000, seed=63)
     before = s3_target.chunks()
-    cold = server.complete(long_doc, max_tokens=OUTPUT_TOKENS)
+    server.complete(long_doc, max_tokens=OUTPUT_TOKENS)
     wanted = before + len(long_doc) // CHUNK
     assert s3_target.wait_for_chunks(wanted) == wanted
     results: dict[str, Completion] = {}
@@ -87,9 +89,12 @@ def test_a_miss_is_answered_while_another_request_loads(
     def hit() -> None:
         results["hit"] = server.complete(long_doc, max_tokens=OUTPUT_TOKENS)
 
+    c = Counters(server)
     thread = threading.Thread(target=hit)
     thread.start()
     results["miss"] = server.complete(prompt(300, seed=64), max_tokens=4)
     thread.join(120)
-    assert results["hit"].token_ids == cold.token_ids
+    assert len(results["hit"].token_ids) == OUTPUT_TOKENS
     assert len(results["miss"].token_ids) == 4
+    assert c.delta("kvtier:loaded_tokens_total") == len(long_doc) // CHUNK * CHUNK
+    assert c.delta("kvtier:load_failed_tokens_total") == 0

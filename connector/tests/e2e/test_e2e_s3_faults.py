@@ -3,8 +3,9 @@ kvtier).
 
 - objects deleted from the bucket: the next request is a clean miss with the same tokens;
 - one chunk corrupted inside its object (a run of chunks, kvtier.format): detected, the chunks
-  before it loaded, the rest recomputed, same tokens; the negative control (checksum
-  verification off, a test-only setting) shows the same corruption changes the output;
+  before it loaded, the rest recomputed, same tokens; the negative controls (checksum
+  verification off, a test-only setting) load a real chunk of another prompt in its place, then
+  the corrupted one, and show that `assert_same_tokens` catches each;
 - one chunk replaced by random bytes, cut short, or by a chunk of another model, another chunk
   size, another format version or another chunk: each detected (counted under its cause in
   /metrics), recomputed, same tokens.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, prompt
+from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_tokens, prompt
 
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
@@ -44,7 +45,7 @@ def test_deleted_objects_are_a_clean_miss(server: VllmServer, s3_target: S3Targe
     c = Counters(server)
     warm = server.complete(DELETED, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(DELETED), server.log_tail()
-    assert warm.token_ids == cold.token_ids
+    assert_same_tokens(warm, cold, c)
 
     s3_target.clear()
     c = Counters(server)
@@ -52,7 +53,7 @@ def test_deleted_objects_are_a_clean_miss(server: VllmServer, s3_target: S3Targe
     assert c.delta("vllm:external_prefix_cache_hits_total") == 0
     assert c.delta("kvtier:hit_tokens_total") == 0
     assert c.delta("kvtier:load_failed_tokens_total") == 0
-    assert again.token_ids == cold.token_ids
+    assert_same_tokens(again, cold, c)
     assert "Traceback" not in server.log_text()
 
 
@@ -76,9 +77,11 @@ class Stored:
         )
 
 
-def _middle_object(s3_target: S3Target, doc: list[int]) -> Stored:
-    """Once the bucket holds every full chunk of ``doc``: the object holding its middle one."""
-    assert s3_target.wait_for_chunks(len(doc) // CHUNK) == len(doc) // CHUNK
+def _middle_object(s3_target: S3Target, doc: list[int], stored_before: int = 0) -> Stored:
+    """Once the bucket holds every full chunk of ``doc`` (and the ``stored_before`` it held):
+    the object holding its middle one."""
+    wanted = stored_before + len(doc) // CHUNK
+    assert s3_target.wait_for_chunks(wanted) == wanted
     key, position = s3_target.object_of(chunk_hashes(doc, CHUNK)[MIDDLE])
     got = s3_target.client().get_object(Bucket=s3_target.bucket, Key=key)
     body = got["Body"].read()
@@ -114,25 +117,35 @@ def test_corrupted_object_is_detected_and_recomputed(
     assert c.delta("kvtier:load_failed_tokens_total") == c.delta("kvtier:hit_tokens_total") - (
         MIDDLE * CHUNK
     )
-    assert out.token_ids == corrupted["cold"].token_ids
+    assert_same_tokens(out, corrupted["cold"], c)
     assert "checksum" in server.log_text()
 
 
-def test_negative_control_without_verification_output_changes(
-    servers: Servers, s3_target: S3Target, corrupted: dict[str, Any]
+def test_negative_controls_without_verification_the_tokens_differ(
+    servers: Servers, server: VllmServer, s3_target: S3Target, corrupted: dict[str, Any]
 ) -> None:
-    # The verifying server dropped the bad object; put the same corruption back.
-    corrupted["stored"].put(s3_target, _bad_payload)
+    """Wrong KV is caught by the same assertion the tests above pass: the middle chunk's payload
+    replaced by the real KV of another prompt's middle chunk (plausible values, a wrong chunk as
+    a key mix-up would serve it), then by the corruption above; checksums not verified."""
+    other = prompt(len(CORRUPTED), seed=13)
+    before = s3_target.chunks()
+    server.complete(other, max_tokens=1)
+    donor = _middle_object(s3_target, other, stored_before=before)
+    wrong_payload = donor.body[donor.start + HEADER_SIZE : donor.end]
+    stored: Stored = corrupted["stored"]
     unsafe = servers.make(
         "s3-noverify",
         s3_target.kvtier(verify_checksums=False),
         prefix_caching=False,
         env=s3_target.env,
     )
-    c = Counters(unsafe)
-    out = unsafe.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(CORRUPTED), unsafe.log_tail()
-    assert out.token_ids != corrupted["cold"].token_ids
+    for damage in (lambda blob: blob[:HEADER_SIZE] + wrong_payload, _bad_payload):
+        stored.put(s3_target, damage)
+        c = Counters(unsafe)
+        out = unsafe.complete(CORRUPTED, max_tokens=OUTPUT_TOKENS)
+        assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(CORRUPTED), unsafe.log_tail()
+        with pytest.raises(AssertionError, match="tokens differ from the reference"):
+            assert_same_tokens(out, corrupted["cold"], c)
     unsafe.stop()
 
 
@@ -184,4 +197,4 @@ def test_foreign_and_damaged_objects_are_detected_and_recomputed(
     out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
     assert c.delta("kvtier:tier_errors_total", tier="s3", cause=cause) >= 1, server.log_tail()
     assert c.delta("kvtier:loaded_tokens_total") == MIDDLE * CHUNK
-    assert out.token_ids == cold.token_ids
+    assert_same_tokens(out, cold, c)
