@@ -60,7 +60,7 @@ lint: collections
 	$(BIN)/ansible-lint --offline --profile production
 
 test-unit: venv
-	$(BIN)/pytest connector/tests -m "not integration and not e2e" -q
+	$(BIN)/pytest connector/tests -m "not integration and not e2e" -q --ignore=connector/tests/with_vllm
 
 # Both scenarios: default (the whole site on this host), then fleet (four network-namespace
 # hosts; it refuses to start while a site of another inventory runs here).
@@ -71,13 +71,15 @@ test-fleet: collections
 	$(BIN)/molecule test -s fleet
 
 test-integration: collections vllm-venv
-	$(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda
+	$(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm
 
 # The CUDA data path's tests under the vLLM venv's torch and Triton: those that need no GPU run
 # (layout geometry, the Triton kernel in Triton's interpreter, the vendored allocation checked
 # against vLLM's); those that need one skip (they run on the lent H200: docs/benchmarks.md).
+# With them, connector/tests/with_vllm: kvtier's chunk keys against vLLM's own block hashes of
+# vLLM's own request objects (salt, LoRA, multimodal items, prompt embeddings).
 test-cuda-cpu: vllm-venv
-	$(VLLM_VENV)/bin/python -m pytest connector/tests/cuda -p no:cacheprovider
+	$(VLLM_VENV)/bin/python -m pytest connector/tests/cuda connector/tests/with_vllm -p no:cacheprovider
 
 # What the tests need beyond what the roles install: python3-ceph-common (Ceph's own spec
 # classes validate the cephadm specs), prometheus (promtool checks and unit-tests monitoring/'s
@@ -129,8 +131,8 @@ test: test-host test-deps
 	if [ $$rc = 0 ]; then \
 	  set -o pipefail; \
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not integration and not e2e" \
-	    --ignore=connector/tests/cuda 2>&1 | tee reports/pytest-ci-unit.log || rc=1; \
-	  $(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda \
+	    --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-unit.log || rc=1; \
+	  $(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm \
 	    2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
 	  $(MAKE) --no-print-directory test-cuda-cpu 2>&1 | tee reports/pytest-ci-cuda.log || rc=1; \
 	fi; \

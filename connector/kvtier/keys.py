@@ -1,7 +1,11 @@
-"""Chunk keys: chained content hashes of token ids plus a layout fingerprint.
+"""Chunk keys: chained hashes of a request's identity per chunk, plus a layout fingerprint.
 
-Both are pure functions of their inputs (blake2b over fixed-width little-endian integers and over
-canonical JSON), so every process on every host computes the same keys without PYTHONHASHSEED.
+A chunk's hash covers its tokens and what else decides the KV computed for them: the "extra
+keys" vLLM's own prefix cache puts into a block hash (the LoRA adapter, multimodal items and
+their offsets, the ``cache_salt`` on the first chunk, prompt-embedding digests; see
+`kvtier.vllm.identity`), encoded here by `encode_extra_keys`. Both are pure functions of their
+inputs (blake2b over fixed-width little-endian integers, length-prefixed fields and canonical
+JSON), so every process on every host computes the same keys without PYTHONHASHSEED.
 """
 
 from __future__ import annotations
@@ -13,11 +17,28 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 #: Bytes of a chunk hash (hex string is twice as long).
 HASH_BYTES = 16
-#: Bumped whenever the hashing scheme changes, so old and new keys never collide.
-_CHAIN_SEED = hashlib.blake2b(b"kvtier-chunk-chain-v1", digest_size=HASH_BYTES).digest()
+#: Bumped whenever the hashing scheme changes, so old and new keys never collide. v1 hashed the
+#: tokens only: its chunks of a salted, LoRA or multimodal request would match a plain request
+#: of the same tokens, so under v2 they are never found (misses, then lifecycle expiry).
+_CHAIN_SEED = hashlib.blake2b(b"kvtier-chunk-chain-v2", digest_size=HASH_BYTES).digest()
+#: The extra keys kvtier can encode, with the types of their fields (vLLM's tags, plus the
+#: digest of the adapter's files kvtier adds to "lora"). Anything else is not keyable.
+EXTRA_KEY_FIELDS: dict[str, tuple[type, ...]] = {
+    "lora": (str, str, str),  # name, path, digest of the adapter's files
+    "mm": (str, int),  # the item's identifier (a content hash or the user's uuid), its offset
+    "cache_salt": (str,),
+    "prompt_embeds": (bytes,),  # vLLM's sha256 of the chunk's prompt embeddings
+}
+
+
+class UnkeyableExtraKey(ValueError):
+    """An extra key kvtier cannot encode: the request must not be cached."""
+
+
 #: Files whose content decides what a model computes (weights are covered by the served name
 #: plus config: hashing GBs of weights at startup would cost minutes).
 MODEL_FILES = (
@@ -40,24 +61,77 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def _field(value: Any) -> bytes:
+    if isinstance(value, bool):  # a bool is an int to isinstance: never a field here
+        raise UnkeyableExtraKey(f"a boolean field {value!r}")
+    if isinstance(value, int):
+        return b"i" + value.to_bytes(16, "little", signed=True)
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        return b"s" + len(data).to_bytes(8, "little") + data
+    if isinstance(value, bytes):
+        return b"b" + len(value).to_bytes(8, "little") + value
+    raise UnkeyableExtraKey(f"a field of type {type(value).__name__}")
+
+
+def encode_extra_keys(keys: Sequence[Sequence[Any]] | None) -> bytes:
+    """The canonical bytes of one chunk's extra keys (``b""`` for none), in their order.
+
+    Each key is a tuple ``(tag, *fields)`` with a tag of `EXTRA_KEY_FIELDS` and fields of the
+    types it lists; anything else raises `UnkeyableExtraKey` (fail closed: a key kvtier cannot
+    write down is a request it must not cache).
+    """
+    out = bytearray()
+    for key in keys or ():
+        if not isinstance(key, tuple) or not key or not isinstance(key[0], str):
+            raise UnkeyableExtraKey(f"an extra key {key!r} that is not a tagged tuple")
+        tag, fields = key[0], key[1:]
+        types = EXTRA_KEY_FIELDS.get(tag)
+        if types is None:
+            raise UnkeyableExtraKey(f"an extra key of kind {tag!r}")
+        if len(fields) != len(types) or not all(
+            isinstance(f, t) and not isinstance(f, bool) for f, t in zip(fields, types, strict=True)
+        ):
+            raise UnkeyableExtraKey(f"an extra key {tag!r} with fields {fields!r}")
+        out += _field(tag) + len(fields).to_bytes(1, "little")
+        for f in fields:
+            out += _field(f)
+    return bytes(out)
+
+
+def chunk_bounds(num_tokens: int, chunk_size: int, include_partial: bool) -> list[tuple[int, int]]:
+    """(start, end) token range of each chunk that gets a hash (see `chunk_hashes`)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    end = num_tokens if include_partial else num_tokens - num_tokens % chunk_size
+    return [(s, min(s + chunk_size, end)) for s in range(0, end, chunk_size)]
+
+
 def chunk_hashes(
-    token_ids: Sequence[int], chunk_size: int, include_partial: bool = False
+    token_ids: Sequence[int],
+    chunk_size: int,
+    include_partial: bool = False,
+    extras: Sequence[bytes] | None = None,
 ) -> list[str]:
     """Hex hash per chunk of ``chunk_size`` tokens; chunk i's hash covers chunks 0..i.
 
-    The trailing chunk shorter than ``chunk_size`` gets a hash only when ``include_partial``
-    (its hash differs from any full chunk's, since the token bytes differ in length).
+    ``extras`` (one entry per chunk of `chunk_bounds`, from `encode_extra_keys`) adds each
+    chunk's extra keys; none, or ``b""``, for a request with only tokens. The trailing chunk
+    shorter than ``chunk_size`` gets a hash only when ``include_partial`` (its hash differs from
+    any full chunk's: the token bytes are length-prefixed).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    bounds = chunk_bounds(len(token_ids), chunk_size, include_partial)
+    if extras is not None and len(extras) != len(bounds):
+        raise ValueError(f"{len(extras)} extra keys for {len(bounds)} chunks")
     raw = _token_bytes(token_ids)
-    step = chunk_size * 8
-    end = len(raw) if include_partial else len(raw) - len(raw) % step
     prev = _CHAIN_SEED
     out: list[str] = []
-    for start in range(0, end, step):
+    for i, (start, end) in enumerate(bounds):
+        tokens = raw[start * 8 : end * 8]
+        extra = extras[i] if extras is not None else b""
         h = hashlib.blake2b(prev, digest_size=HASH_BYTES)
-        h.update(raw[start : min(start + step, end)])
+        h.update(len(tokens).to_bytes(8, "little") + tokens)
+        h.update(len(extra).to_bytes(8, "little") + extra)
         prev = h.digest()
         out.append(prev.hex())
     return out

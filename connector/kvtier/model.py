@@ -226,6 +226,45 @@ def make_tiny(directory: str | os.PathLike[str], spec: TinyModelSpec | None = No
     return out
 
 
+def make_tiny_lora(
+    directory: str | os.PathLike[str],
+    spec: TinyModelSpec | None = None,
+    seed: int = 1,
+    rank: int = 8,
+) -> Path:
+    """Write a PEFT LoRA adapter for the tiny model of ``spec`` into ``directory``: rank
+    ``rank`` on q_proj and v_proj of every layer, random A and B (seeded), so that the adapter
+    changes queries and values (hence the KV cache) and the greedy output."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = spec or TinyModelSpec()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = spec.hidden_size // spec.num_heads
+    dims = {"q_proj": spec.num_heads * head_dim, "v_proj": spec.num_kv_heads * head_dim}
+    tensors: dict[str, Any] = {}
+    for i in range(spec.num_layers):
+        for module, out_dim in dims.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{module}."
+            tensors[p + "lora_A.weight"] = torch.randn(rank, spec.hidden_size, generator=gen) * 0.1
+            tensors[p + "lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * 0.1
+    save_file(tensors, str(out / "adapter_model.safetensors"), {"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(dims),
+        "bias": "none",
+        "base_model_name_or_path": None,
+    }
+    _write_json(out / "adapter_config.json", config)
+    return out
+
+
 def directory_digest(directory: str | os.PathLike[str]) -> str:
     """SHA-256 over the names and contents of the files in `directory` (for determinism checks)."""
     digest = hashlib.sha256()
@@ -242,6 +281,12 @@ def _cmd_make_tiny(args: Any) -> int:
     return 0
 
 
+def _cmd_make_tiny_lora(args: Any) -> int:
+    out = make_tiny_lora(args.directory, TinyModelSpec(seed=args.model_seed), seed=args.seed)
+    print(f"wrote {out} (sha256 of files: {directory_digest(out)})")
+    return 0
+
+
 def register(subparsers: Any) -> None:
     """Add `model` (make-tiny) to the `kvtier` CLI."""
     parser = subparsers.add_parser("model", help="make a small local model for tests/benchmarks")
@@ -254,3 +299,11 @@ def register(subparsers: Any) -> None:
     tiny.add_argument("directory", help="output directory (created if missing)")
     tiny.add_argument("--seed", type=int, default=0, help="same seed, same files (default 0)")
     tiny.set_defaults(func=_cmd_make_tiny)
+    lora = commands.add_parser(
+        "make-tiny-lora",
+        help="write a LoRA adapter (rank 8, q_proj and v_proj) for the tiny model (vLLM venv)",
+    )
+    lora.add_argument("directory", help="output directory (created if missing)")
+    lora.add_argument("--seed", type=int, default=1, help="the adapter's seed (default 1)")
+    lora.add_argument("--model-seed", type=int, default=0, help="the tiny model's --seed")
+    lora.set_defaults(func=_cmd_make_tiny_lora)

@@ -8,7 +8,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvtier.keys import LayoutFingerprint, chunk_hashes, model_identity
+import pytest
+
+from kvtier.keys import (
+    LayoutFingerprint,
+    UnkeyableExtraKey,
+    chunk_bounds,
+    chunk_hashes,
+    encode_extra_keys,
+    model_identity,
+)
 
 FP = LayoutFingerprint("m@abc", "bfloat16", 2, 2, 64, 16, 256, 0, 1, "cpu:vec16")
 
@@ -77,3 +86,35 @@ def test_model_identity_ignores_local_path(tmp_path: Path) -> None:
     assert model_identity("tiny", str(a)) != model_identity("tiny", str(b))
     assert model_identity("tiny", str(a)) != model_identity("other", str(a))
     assert model_identity("org/model", None) == "org/model"
+
+
+def test_extra_keys_are_encoded_canonically_and_unknown_ones_refused() -> None:
+    salt_a = encode_extra_keys([("cache_salt", "a")])
+    assert (
+        salt_a
+        == encode_extra_keys([("cache_salt", "a")])
+        != encode_extra_keys([("cache_salt", "b")])
+    )
+    assert encode_extra_keys(None) == encode_extra_keys([]) == b""
+    lora = ("lora", "name", "/path", "digest")
+    assert encode_extra_keys([lora, ("mm", "img", 3)]) != encode_extra_keys([("mm", "img", 3)])
+    # Fields do not run into each other: ("ab", "c") and ("a", "bc") differ.
+    assert encode_extra_keys([("lora", "ab", "c", "d")]) != encode_extra_keys(
+        [("lora", "a", "bc", "d")]
+    )
+    for bad in (("new_kind", 1), ("mm", "img", True), ("mm", "img"), ("cache_salt", 3), "salt"):
+        with pytest.raises(UnkeyableExtraKey):
+            encode_extra_keys([bad])  # type: ignore[list-item]
+
+
+def test_extras_change_the_chunk_and_every_later_one() -> None:
+    toks = list(range(1000))
+    plain = chunk_hashes(toks, 256)
+    assert chunk_hashes(toks, 256, extras=[b"", b"", b""]) == plain
+    salted = chunk_hashes(toks, 256, extras=[b"s", b"", b""])
+    assert all(a != b for a, b in zip(plain, salted, strict=True))
+    later = chunk_hashes(toks, 256, extras=[b"", b"", b"img"])
+    assert later[:2] == plain[:2] and later[2] != plain[2]
+    assert chunk_bounds(1000, 256, True)[-1] == (768, 1000)
+    with pytest.raises(ValueError, match="3 chunks"):
+        chunk_hashes(toks, 256, extras=[b""])

@@ -96,7 +96,7 @@ def test_every_alert_says_how_bad_and_what_to_do() -> None:
 def _promtool() -> str:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+        pytest.skip("promtool not installed (Debian package prometheus; make test installs it)")
     return promtool
 
 

@@ -150,8 +150,9 @@ def test_request_namespace_prefixes_every_chunk_id() -> None:
 def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
     prompt = list(range(600))
     s = make(chunk_hashes(prompt, CHUNK))
-    s.bypass("r")
+    s.bypass("r", "unknown_extra_key")
     assert s.num_new_matched_tokens("r", prompt, 0) == 0
+    assert s.counters.take()["uncached_requests.unknown_extra_key"] == 1
     s.on_scheduled(
         "r",
         prompt=prompt,
@@ -162,6 +163,42 @@ def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
     )
     plan = s.take_plan()
     assert not plan.loads and not plan.saves
+
+
+def test_a_request_never_looked_up_is_never_saved() -> None:
+    """Its identity beyond the tokens was never keyed: no save under a tokens-only key."""
+    prompt = list(range(600))
+    s = make()
+    s.on_scheduled(
+        "r",
+        prompt=prompt,
+        block_ids=list(range(5)),
+        replace_blocks=True,
+        num_computed_tokens=0,
+        num_scheduled_tokens=600,
+    )
+    assert not s.take_plan().saves
+
+
+def test_extra_keys_give_other_chunk_keys_from_the_first_differing_chunk() -> None:
+    prompt = list(range(600))
+    s = make()
+    s.num_new_matched_tokens("plain", prompt, 0)
+    s.num_new_matched_tokens("salted", prompt, 0, extras=[b"salt", b""])
+    for name in ("plain", "salted"):
+        s.on_scheduled(
+            name,
+            prompt=prompt,
+            block_ids=list(range(5)),
+            replace_blocks=True,
+            num_computed_tokens=0,
+            num_scheduled_tokens=600,
+        )
+    keys = {}
+    for spec in s.take_plan().saves:
+        keys.setdefault(spec.req_id, []).append(spec.chunk_hash)
+    assert keys["plain"] == chunk_hashes(prompt, CHUNK)
+    assert all(a != b for a, b in zip(keys["plain"], keys["salted"], strict=True))
 
 
 def _remote(answer: Future[RemotePrefix], object_chunks: int = 1) -> SchedulerSide:

@@ -34,6 +34,7 @@ from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
 from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.identity import RequestIdentity, Uncacheable
 from kvtier.vllm.layout import KVLayout, check_tensors, expected_layout
 from kvtier.vllm.plan import StepPlan
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
@@ -107,8 +108,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups: RemoteLookups | None = None
         self._last_lookup_stats = StoreStats()
         self._worker: WorkerSide | None = None
-        #: Requests served without kvtier (a namespace not allowed), warned about once each.
-        self._bypassed: set[str] = set()
+        #: What keys a request's identity beyond its tokens (scheduler side).
+        self._identity = RequestIdentity(self.cfg.chunk_size, self.cfg.save_unfull_chunk)
+        #: Reasons to serve a request without kvtier that were logged already (once each).
+        self._uncached_logged: set[str] = set()
         log.info(
             "kvtier %s connector (%s): config %s, layout %s, fingerprint %s, tiers cpu=%s "
             "disk=%s s3=%s (%d chunks per object)",
@@ -202,24 +205,44 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         namespace = params.get(REQUEST_NAMESPACE_PARAM)
         if namespace == self.cfg.namespace:
             namespace = None
-        if namespace is not None and namespace not in self.cfg.request_namespaces:
-            if request.request_id not in self._bypassed:
-                self._bypassed.add(request.request_id)
-                log.warning(
-                    "kvtier: request %s asks for namespace %r, which is not in request_namespaces"
-                    " %s of %s: serving it without kvtier (nothing loaded or saved)",
-                    request.request_id,
-                    namespace,
-                    list(self.cfg.request_namespaces),
-                    self.cfg.source,
-                )
-            self._scheduler.bypass(request.request_id)
-            return 0, False
+        extras: list[bytes] | None = None
+        if not self._scheduler.knows(request.request_id):
+            try:
+                if namespace is not None and namespace not in self.cfg.request_namespaces:
+                    raise Uncacheable(
+                        "namespace_not_allowed",
+                        f"it asks for namespace {namespace!r}, which is not in "
+                        f"request_namespaces {list(self.cfg.request_namespaces)} of "
+                        f"{self.cfg.source}",
+                    )
+                extras = self._identity.chunk_extras(request)
+            except Uncacheable as exc:
+                self._serve_uncached(self._scheduler, request.request_id, exc)
+                return 0, False
         n = self._scheduler.num_new_matched_tokens(
-            request.request_id, request.prompt_token_ids or [], num_computed_tokens, namespace
+            request.request_id,
+            self._identity.prompt(request),
+            num_computed_tokens,
+            namespace,
+            extras,
         )
         background = bool(n) and self._scheduler.loads_in_background(request.request_id)
         return n, background
+
+    def _serve_uncached(self, scheduler: SchedulerSide, req_id: str, exc: Uncacheable) -> None:
+        """Fail closed: the request is served without kvtier; the reason is counted in /metrics
+        (kvtier:uncached_requests_total) and logged the first time it occurs."""
+        scheduler.bypass(req_id, exc.reason)
+        if exc.reason not in self._uncached_logged:
+            self._uncached_logged.add(exc.reason)
+            log.warning(
+                "kvtier: request %s is served without kvtier (nothing looked up, loaded or "
+                "saved): %s. Logged once per reason; counted in "
+                'kvtier:uncached_requests_total{reason="%s"}',
+                req_id,
+                exc,
+                exc.reason,
+            )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is None or num_external_tokens <= 0:
@@ -273,7 +296,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request.request_id)
-        self._bypassed.discard(request.request_id)
         # Saves copy their blocks out within the step, so the blocks can be freed now.
         return False, None
 

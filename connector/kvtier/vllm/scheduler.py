@@ -6,7 +6,12 @@ connector translates vLLM's scheduler objects into the calls below and ships the
 
 Rules:
 - Chunks are `chunk_size` prompt tokens (a multiple of vLLM's block size); chunk i's key
-  covers tokens 0..(i+1)*chunk_size (chained hashes), so a hit on chunk i implies its prefix.
+  covers tokens 0..(i+1)*chunk_size (chained hashes), so a hit on chunk i implies its prefix,
+  and the request's identity beyond its tokens over that range (``extras``: salt, LoRA adapter,
+  multimodal items, prompt embeddings; `kvtier.vllm.identity`).
+- Only requests the connector looked up are planned: one `num_new_matched_tokens` never saw (or
+  one served without kvtier) is never saved, so nothing is stored under a key that might not
+  cover its identity.
 - At most ``align_down(prompt_len - 1, block_size)`` tokens are offered: vLLM must compute at
   least one prompt token itself to produce logits.
 - Chunks are saved in runs of ``object_chunks`` (one S3 object each, kvtier.format): the runs
@@ -106,6 +111,9 @@ class SchedulerCounters:
     lookup_timeouts: int = 0
     #: Requests whose prompt diverged from an earlier one's where their lookup stopped.
     prefix_divergences: int = 0
+    #: Requests served without kvtier, by reason (a namespace not allowed, an identity the
+    #: keys cannot cover).
+    uncached: dict[str, int] = field(default_factory=dict)
 
     def take(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -120,6 +128,9 @@ class SchedulerCounters:
         }
         for tier, n in self.hit_tokens_by_tier.items():
             out[f"hit_tokens.{tier}"] = n
+        for reason, n in self.uncached.items():
+            out[f"uncached_requests.{reason}"] = n
+        self.uncached = {}
         self.lookup_requests = self.lookup_tokens = self.hit_tokens = 0
         self.planned_save_chunks = self.remote_lookups = self.lookup_timeouts = 0
         self.prefix_divergences = 0
@@ -202,10 +213,16 @@ class SchedulerSide:
         """Tokens of chunk k that a stored copy covers."""
         return min(self.chunk_size, st.prompt_len - k * self.chunk_size)
 
-    def _state(self, req_id: str, prompt: Sequence[int], namespace: str | None = None) -> _Request:
+    def _state(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        namespace: str | None = None,
+        extras: Sequence[bytes] | None = None,
+    ) -> _Request:
         st = self._reqs.get(req_id)
         if st is None:
-            hashes = chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk)
+            hashes = chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk, extras)
             if namespace is not None:
                 # "<namespace>/<hash>": the store files the chunk under that namespace.
                 hashes = [f"{namespace}/{h}" for h in hashes]
@@ -256,14 +273,17 @@ class SchedulerSide:
         prompt: Sequence[int],
         num_computed_tokens: int,
         namespace: str | None = None,
+        extras: Sequence[bytes] | None = None,
     ) -> int | None:
         """Prompt tokens beyond `num_computed_tokens` that can be loaded (block-aligned); None
         while the remote tier's lookup is pending (vLLM then asks again at its next step).
 
         ``namespace`` (a request's own, see `KvtierConfig.request_namespaces`) files the
-        request's chunks under that namespace instead of the configured one.
+        request's chunks under that namespace instead of the configured one. ``extras``: the
+        request's encoded extra keys per chunk (`kvtier.keys.chunk_hashes`), read on the first
+        call only.
         """
-        st = self._state(req_id, prompt, namespace)
+        st = self._state(req_id, prompt, namespace, extras)
         if not st.enabled:
             return 0
         if st.found_chunks is None:
@@ -302,8 +322,14 @@ class SchedulerSide:
             self.background_loads and st is not None and (st.found_chunks or 0) > st.found_local
         )
 
-    def bypass(self, req_id: str) -> None:
-        """Serve the request without kvtier: nothing looked up, loaded or saved."""
+    def knows(self, req_id: str) -> bool:
+        """Whether the request was looked up (or bypassed) already."""
+        return req_id in self._reqs
+
+    def bypass(self, req_id: str, reason: str) -> None:
+        """Serve the request without kvtier: nothing looked up, loaded or saved; counted."""
+        if self._reqs.get(req_id, _Request(0, [])).enabled:
+            self.counters.uncached[reason] = self.counters.uncached.get(reason, 0) + 1
         self._reqs[req_id] = _Request(prompt_len=0, hashes=[], enabled=False)
 
     def after_alloc(
@@ -374,9 +400,7 @@ class SchedulerSide:
         """Record one scheduled request of this step and plan its loads and saves."""
         st = self._reqs.get(req_id)
         if st is None:
-            if prompt is None:
-                return  # a request from before this connector knew it: nothing to do
-            st = self._state(req_id, prompt)
+            return  # never looked up: its identity was not keyed (module docstring)
         if replace_blocks:
             st.block_ids = list(block_ids or ())
         elif block_ids:

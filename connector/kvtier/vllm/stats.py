@@ -12,7 +12,8 @@ Names (values are token or chunk counts unless the name says otherwise):
   (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
   ``planned_save_chunks``, ``remote_lookups``, ``lookup_timeouts`` (remote lookups given up
   after lookup_timeout_secs), ``remote_lookup_seconds@samples``, ``prefix_divergences``
-  (requests whose prompt diverged from an earlier one's where their lookup stopped);
+  (requests whose prompt diverged from an earlier one's where their lookup stopped),
+  ``uncached_requests.<reason>`` (requests served without kvtier, `kvtier.vllm.identity`);
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
   ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
   ``save_failed_chunks``, ``save_copy_seconds`` (and ``@samples``);
@@ -206,6 +207,13 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             (k, per_engine(self._histogram_cls, n, d, buckets=list(_BUCKETS)))
             for n, k, d in _HISTOGRAMS
         ]
+        self._uncached = self._counter_cls(
+            name="kvtier:uncached_requests",
+            documentation="Requests served without kvtier (nothing looked up, loaded or saved), "
+            "by reason: namespace_not_allowed, unknown_extra_key (an identity the chunk keys "
+            "cannot cover), lora_unreadable (adapter files kvtier cannot read).",
+            labelnames=[*labelnames, "reason"],
+        )
         self._errors = per_tier(
             self._counter_cls,
             "kvtier:tier_errors",
@@ -242,6 +250,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 if value:
                     counter.labels(*values, tier).inc(value)
         for key, value in data.items():
+            if key.startswith("uncached_requests.") and value:
+                self._uncached.labels(*values, key.partition(".")[2]).inc(value)
             if key.startswith("tier.") and ".errors." in key and value:
                 tier, _, cause = key.removeprefix("tier.").partition(".errors.")
                 self._errors.labels(*values, tier, cause).inc(value)
