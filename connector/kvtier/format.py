@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from kvtier.keys import chunk_digest
+
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
 ALGO_XXH3_64 = 1
@@ -172,8 +174,8 @@ SHORT_HASH_CHARS = 16
 
 
 def short_hash(chunk_id: str) -> str:
-    """The short form of a chunk id (``<hash>`` or ``<namespace>/<hash>``) in a chunk list."""
-    return chunk_id.rpartition("/")[2][:SHORT_HASH_CHARS]
+    """The short form of a chunk id or key (`kvtier.keys`) in a chunk list."""
+    return chunk_digest(chunk_id)[:SHORT_HASH_CHARS]
 
 
 def encode_chunk_list(chunk_ids: list[str]) -> str:

@@ -198,3 +198,51 @@ class LayoutFingerprint:
         return hashlib.blake2b(
             b"kvtier-layout-v1\0" + self.canonical(), digest_size=HASH_BYTES
         ).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Where a chunk is filed in every tier: ``<namespace>/<fingerprint>/<hash>``.
+
+    The only place that builds or parses that layout (the store and its tiers, `kvtier
+    ls/purge/explain`, verify), so writers and readers cannot drift. Inside a server a chunk is
+    named by its *chunk id*: ``<hash>``, or ``<namespace>/<hash>`` for a request that chose its
+    own namespace (`chunk_id`, `ChunkKey.of`).
+    """
+
+    namespace: str
+    fingerprint: str
+    digest: str
+
+    def __post_init__(self) -> None:
+        for part in (self.namespace, self.fingerprint, self.digest):
+            # A hidden name is never a chunk (kvtier doctor's probes, ".", "..").
+            if not part or "/" in part or part.startswith("."):
+                raise ValueError(f"malformed chunk key {str(self)!r}")
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.fingerprint}/{self.digest}"
+
+    @classmethod
+    def parse(cls, key: str) -> ChunkKey:
+        """The key of ``<namespace>/<fingerprint>/<hash>``; ValueError for anything else."""
+        parts = key.split("/")
+        if len(parts) != 3:
+            raise ValueError(f"malformed chunk key {key!r}")
+        return cls(*parts)
+
+    @classmethod
+    def of(cls, chunk_id: str, namespace: str, fingerprint: str) -> ChunkKey:
+        """The key of a chunk id under the store's ``namespace`` (unless the id names its own)."""
+        own, _, digest = chunk_id.rpartition("/")
+        return cls(own or namespace, fingerprint, digest)
+
+
+def chunk_id(digest: str, namespace: str | None = None) -> str:
+    """A chunk's id inside a server: its hash, filed under ``namespace`` when given."""
+    return f"{namespace}/{digest}" if namespace is not None else digest
+
+
+def chunk_digest(chunk_id_or_key: str) -> str:
+    """The chained hash of a chunk id or a key (its last part)."""
+    return chunk_id_or_key.rpartition("/")[2]

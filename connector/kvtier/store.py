@@ -36,6 +36,7 @@ from kvtier.format import (
     split_object,
     verify,
 )
+from kvtier.keys import ChunkKey, chunk_digest
 from kvtier.prefix import RemotePrefix, leading_present, walk_objects
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import StatsFile, StoreStats, TierStats
@@ -50,8 +51,8 @@ _LOOKUP_WINDOW = 32
 
 
 def _hash_bytes(chunk_id: str) -> bytes:
-    """The chunk hash of an id (``<hash>`` or ``<namespace>/<hash>``), as the header holds it."""
-    return bytes.fromhex(chunk_id.rpartition("/")[2])
+    """The chunk hash of an id (`kvtier.keys.chunk_id`), as the header holds it."""
+    return bytes.fromhex(chunk_digest(chunk_id))
 
 
 def _put_ok(tier: Tier, items: Sequence[tuple[str, Stored]]) -> bool:
@@ -96,7 +97,6 @@ class TieredStore:
         self.namespace = namespace
         self.verify_checksums = verify_checksums
         self._layout = bytes.fromhex(fingerprint)
-        self._prefix = f"{namespace}/{fingerprint}/"
         self._lock = threading.Lock()
         self._stats = StoreStats(tiers={t.name: TierStats() for t in self.tiers})
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
@@ -129,15 +129,9 @@ class TieredStore:
         )
 
     def key(self, chunk_hash: str) -> str:
-        """The tier key of a chunk: ``<namespace>/<fingerprint>/<hash>``.
-
-        A chunk id ``<namespace>/<hash>`` (a request that chose its own namespace) is filed
-        under that namespace instead of the store's.
-        """
-        namespace, sep, digest = chunk_hash.rpartition("/")
-        if sep:
-            return f"{namespace}/{self.fingerprint}/{digest}"
-        return self._prefix + chunk_hash
+        """The tier key of a chunk id (`kvtier.keys.ChunkKey.of`): under the store's namespace,
+        or the one a request chose."""
+        return str(ChunkKey.of(chunk_hash, self.namespace, self.fingerprint))
 
     # ------------------------------------------------------------------ guarded tier calls
     def _count_error(self, tier: Tier, cause: str) -> None:

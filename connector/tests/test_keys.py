@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvtier.keys import (
+    ChunkKey,
     LayoutFingerprint,
     UnkeyableExtraKey,
     chunk_bounds,
     chunk_hashes,
+    chunk_id,
     encode_extra_keys,
     model_identity,
 )
@@ -118,3 +120,15 @@ def test_extras_change_the_chunk_and_every_later_one() -> None:
     assert chunk_bounds(1000, 256, True)[-1] == (768, 1000)
     with pytest.raises(ValueError, match="3 chunks"):
         chunk_hashes(toks, 256, extras=[b""])
+
+
+def test_one_key_type_builds_and_parses_every_key() -> None:
+    key = ChunkKey("prod", "f" * 32, "a" * 32)
+    assert str(key) == f"prod/{'f' * 32}/{'a' * 32}"
+    assert ChunkKey.parse(str(key)) == key
+    assert ChunkKey.of("a" * 32, "prod", "f" * 32) == key
+    own = ChunkKey.of(chunk_id("a" * 32, "tenant-b"), "prod", "f" * 32)
+    assert own.namespace == "tenant-b" and own.digest == "a" * 32
+    for bad in ("prod/x", "prod/.doctor/123", "a/b/c/d", "/f/a", "prod/../a"):
+        with pytest.raises(ValueError, match="malformed chunk key"):
+            ChunkKey.parse(bad)

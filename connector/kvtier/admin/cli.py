@@ -15,6 +15,7 @@ from typing import Any
 from kvtier.admin.chunks import delete_keys, persistent_tiers
 from kvtier.admin.doctor import Doctor
 from kvtier.config import ConfigError, KvtierConfig, load_config
+from kvtier.keys import ChunkKey
 from kvtier.stats import StoreStats, read_stats_dir
 from kvtier.tiers.base import Tier, TierError
 
@@ -71,11 +72,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _group(keys: Iterator[tuple[str, int]], namespace: str | None) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for key, size in keys:
-        ns, _, rest = key.partition("/")
-        if (namespace and ns != namespace) or ns == "" or rest.startswith(".doctor"):
+        try:
+            k = ChunkKey.parse(key)
+        except ValueError:  # not a chunk (kvtier doctor's probe objects, foreign files)
             continue
-        fp = rest.partition("/")[0]
-        g = groups[f"{ns}/{fp}"]
+        if namespace and k.namespace != namespace:
+            continue
+        g = groups[f"{k.namespace}/{k.fingerprint}"]
         g[0] += 1
         g[1] += size
     return groups

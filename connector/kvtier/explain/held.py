@@ -20,6 +20,7 @@ from typing import Any
 from kvtier.config import KvtierConfig
 from kvtier.explain.prompts import ExplainError
 from kvtier.format import short_hash
+from kvtier.keys import ChunkKey
 from kvtier.prefix import walk_objects
 from kvtier.tiers.base import TierError
 from kvtier.tiers.disk import chunk_path
@@ -103,7 +104,7 @@ class CacheView:
 
     def held(self, fingerprint: str, hashes: Sequence[str]) -> dict[str, list[bool] | None]:
         """Per tier, whether each chunk is stored now (None: the tier could not be asked)."""
-        keys = [f"{self.namespace}/{fingerprint}/{h}" for h in hashes]
+        keys = [str(ChunkKey(self.namespace, fingerprint, h)) for h in hashes]
         out: dict[str, list[bool] | None] = {}
         if self.cfg.local_disk:
             root = os.path.abspath(self.cfg.local_disk)

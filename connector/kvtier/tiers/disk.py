@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvtier.format import HEADER_SIZE
+from kvtier.keys import ChunkKey
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.tiers.base import Stored, Tier, TierError
 
@@ -47,11 +48,11 @@ def chunk_path(root: str, key: str) -> str:
     """Where the disk tier under ``root`` keeps ``key``:
     ``<root>/<namespace>/<fingerprint>/<hash[:2]>/<hash>.kvt`` (also for read-only readers,
     e.g. `kvtier explain`, which must not build a tier: its start-up evicts and cleans up)."""
-    parts = key.split("/")
-    if len(parts) != 3 or not all(parts) or any(p in (".", "..") for p in parts):
-        raise TierError("bad_key", f"malformed key {key!r}")
-    ns, fp, h = parts
-    return os.path.join(root, ns, fp, h[:2], h + _SUFFIX)
+    try:
+        k = ChunkKey.parse(key)
+    except ValueError as exc:
+        raise TierError("bad_key", str(exc)) from exc
+    return os.path.join(root, k.namespace, k.fingerprint, k.digest[:2], k.digest + _SUFFIX)
 
 
 class DiskTier(Tier):
@@ -77,7 +78,7 @@ class DiskTier(Tier):
 
     def _key(self, path: str) -> str:
         rel = os.path.relpath(path, self.root).split(os.sep)
-        return f"{rel[0]}/{rel[1]}/{rel[3][: -len(_SUFFIX)]}"
+        return str(ChunkKey(rel[0], rel[1], rel[3][: -len(_SUFFIX)]))
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, str, int]] = []

@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.keys import chunk_hashes
+from kvtier.keys import chunk_hashes, chunk_id
 from kvtier.prefix import RemotePrefix
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import SAMPLES
@@ -223,9 +223,8 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None:
             hashes = chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk, extras)
-            if namespace is not None:
-                # "<namespace>/<hash>": the store files the chunk under that namespace.
-                hashes = [f"{namespace}/{h}" for h in hashes]
+            # A request's own namespace goes into the chunk id; the store files it there.
+            hashes = [chunk_id(h, namespace) for h in hashes]
             st = _Request(prompt_len=len(prompt), hashes=hashes)
             self._reqs[req_id] = st
         return st
