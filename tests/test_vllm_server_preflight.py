@@ -76,6 +76,19 @@ CASES = {
         r"vllm_server_model \(vllm_model\) '~/models/no-such-model' is a path, but "
         r"/\S+/models/no-such-model/config\.json does not exist",
     ),
+    "LoRA adapter with a relative path": (
+        {"vllm_server_lora_adapters": {"sql": "adapters/sql"}},
+        r"vllm_server_lora_adapters must map names .* to absolute directories on the host",
+    ),
+    "LoRA flags among the extra arguments": (
+        {"vllm_server_extra_args": ["--enable-lora"]},
+        r"LoRA flags belong there and in vllm_server_max_lora_rank, not in "
+        r"vllm_server_extra_args",
+    ),
+    "LoRA rank vLLM does not take": (
+        {"vllm_server_max_lora_rank": 12},
+        r"value of vllm_server_max_lora_rank must be one of: 8, 16, 32",
+    ),
     "production namespace as a request namespace": (
         {"vllm_server_kvtier_request_namespaces": ["default"]},
         r"must not list the production namespace 'default'",
@@ -101,6 +114,21 @@ def test_model_directory_without_config_json_is_refused(tmp_path: Path) -> None:
 def test_model_directory_with_config_json_or_hub_id_passes(tmp_path: Path, model: str) -> None:
     (tmp_path / "config.json").write_text("{}")
     done = run_preflight({"vllm_model": str(tmp_path) if model == "DIR" else model})
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_lora_adapter_without_adapter_config_is_refused_and_with_one_passes(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    adapters = {"sql": str(tmp_path)}
+    assert_fails_in_preflight(
+        run_preflight({"vllm_server_lora_adapters": adapters}),
+        r"LoRA adapters without \{dir\}/adapter_config\.json on localhost: \{'sql': '"
+        + re.escape(str(tmp_path)),
+    )
+    (tmp_path / "adapter_config.json").write_text("{}")
+    done = run_preflight({"vllm_server_lora_adapters": adapters})
     assert done.returncode == 0, done.stdout[-3000:]
 
 
