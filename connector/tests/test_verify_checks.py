@@ -23,6 +23,7 @@ from _helpers import send_completion_stream
 from kvtier.config import load_config
 from kvtier.verify.checks import Step
 from kvtier.verify.report import first_failure
+from kvtier.verify.rounds import OTHER_TENANT_SALT
 from kvtier.verify.settings import Settings
 from kvtier.verify.steps import run
 
@@ -66,7 +67,11 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
         ttft = HIT_TTFT
         tokens = [t % 1000 for t in prompt[: body["max_tokens"]]]
         with self.lock:
-            if len(prompt) > CHUNK:
+            if body.get("cache_salt") == OTHER_TENANT_SALT:  # step 4's isolation probe
+                self._count("kvtier:lookup_tokens_total", len(prompt))
+                if self.fault == "tenant_leak":
+                    self._count("kvtier:hit_tokens_total", len(prompt) - 16)
+            elif len(prompt) > CHUNK:
                 rnd = type(self).long_prompts // DOCS  # 0 cold, 1 reference, 2 warm, 3 again
                 type(self).long_prompts += 1
                 self._round(rnd, len(prompt), tokens)
@@ -162,6 +167,9 @@ def test_a_healthy_server_passes_every_step(
          "the bucket (namespace): expected 4 (2 documents x 2 chunks), measured 3"),
         ("s3_share", "step 4 (warm round (from Ceph only)): share of prompt tokens served by the "
          "S3 tier: expected >= 0.9, measured 0.500 (512 of 1024 tokens)"),
+        ("tenant_leak", "step 4 (warm round (from Ceph only)): another tenant's request "
+         "(cache_salt) for a stored document: prompt tokens from kvtier: expected 0 (of 512 "
+         "looked up), measured 496 (of 512 looked up)"),
         ("failed_load", "step 4 (warm round (from Ceph only)): tokens whose load failed: "
          "expected 0, measured 512"),
         ("wrong_tokens", "step 4 (warm round (from Ceph only)): outputs token-identical to the "

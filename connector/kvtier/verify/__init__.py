@@ -15,7 +15,9 @@ failed, what was expected and what was measured):
 3. restart: restart vLLM (empties its prefix cache and CPU tier), purge the namespace from the
    host's disk tier, so the next round can only be served from Ceph; the bucket holds one object
    per chunk of the documents.
-4. warm: the same requests; S3 served >= ``min_s3_share`` of the prompt tokens, median TTFT
+4. warm: first the first document under another ``cache_salt`` (another tenant): kvtier looks
+   it up and serves it 0 tokens; then the same requests (every request of a verification
+   carries the first tenant's salt); S3 served >= ``min_s3_share`` of the prompt tokens, median TTFT
    warm/cold <= ``max_warm_cold_ratio``, outputs token-identical to a second pass of the cold
    round served by vLLM's own prefix cache (same arithmetic as after a load: bit-exact KV
    gives the same tokens; a full prefill may flip a near-tie in bf16).

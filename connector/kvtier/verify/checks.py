@@ -90,6 +90,22 @@ def s3_share(step: Step, s3_tokens: float, prompt_tokens: int, min_share: float)
     )
 
 
+def tenant_isolated(step: Step, other: Round) -> bool:
+    """Another tenant's request (another cache_salt) for a stored document: kvtier looked it
+    up, and served it nothing."""
+    looked_up = other.counters["kvtier:lookup_tokens_total"]
+    served = max(
+        other.counters["kvtier:hit_tokens_total"],
+        other.counters["vllm:external_prefix_cache_hits_total"],
+    )
+    return step.check(
+        "another tenant's request (cache_salt) for a stored document: prompt tokens from kvtier",
+        served == 0 and looked_up >= other.prompt_tokens,
+        f"0 (of {other.prompt_tokens} looked up)",
+        f"{served:.0f} (of {looked_up:.0f} looked up)",
+    )
+
+
 def no_failed_loads(step: Step, warm: Round) -> bool:
     failed = warm.counters["kvtier:load_failed_tokens_total"]
     return step.check("tokens whose load failed", failed == 0, "0", f"{failed:.0f}")

@@ -36,6 +36,10 @@ _COUNTERS = (
 )
 _TIER_COUNTERS = ("kvtier:hit_tokens_by_tier_total", "kvtier:tier_hits_total")
 _TIERS = ("cpu", "disk", "s3")
+#: The cache_salt of every verification request (its tenant), and another tenant's, whose
+#: request for the same document must get nothing of it (step 4's isolation check).
+TENANT_SALT = "kvtier-verify-tenant-a"
+OTHER_TENANT_SALT = "kvtier-verify-tenant-b"
 
 
 class Target(Protocol):
@@ -151,14 +155,14 @@ def s3_tokens(r: Round, chunk_size: int) -> float:
     return min(s3_chunks * chunk_size, r.counters["kvtier:loaded_tokens_total"])
 
 
-def _request(s: Target, doc: Sequence[int], max_tokens: int) -> Completion:
+def _request(s: Target, doc: Sequence[int], max_tokens: int, salt: str = TENANT_SALT) -> Completion:
     return stream_completion(
         s.server_url,
         s.model,
         doc,
         max_tokens,
         api_key=s.api_key,
-        extra_body={"kv_transfer_params": {"kvtier_namespace": s.namespace}},
+        extra_body={"kv_transfer_params": {"kvtier_namespace": s.namespace}, "cache_salt": salt},
     )
 
 
@@ -189,10 +193,10 @@ def max_model_len(s: Target) -> int | None:
     )
 
 
-def run_round(s: Target, docs: Sequence[Sequence[int]]) -> Round:
+def run_round(s: Target, docs: Sequence[Sequence[int]], salt: str = TENANT_SALT) -> Round:
     before = scrape(s.server_url)
     start = time.monotonic()
-    completions = [_request(s, doc, s.output_tokens) for doc in docs]
+    completions = [_request(s, doc, s.output_tokens, salt) for doc in docs]
     seconds = time.monotonic() - start
     # Counters reach /metrics with the engine's next stats interval, after the last step.
     time.sleep(s.metrics_settle_secs)

@@ -133,6 +133,15 @@ def _restart(s: Settings, chunks_per_doc: int, step: Step) -> None:
 
 
 def _warm(s: Settings, docs: list[list[int]], cold: Round, reference: Round, step: Step) -> Round:
+    # Tenant isolation first, on the restarted server (vLLM's own cache is empty, the bucket
+    # holds the first tenant's chunks): the first document under another cache_salt.
+    other = run_round(s, docs[:1], rounds.OTHER_TENANT_SALT)
+    step.values["other_tenant"] = {
+        "cache_salt": rounds.OTHER_TENANT_SALT,
+        "prompt_tokens": other.prompt_tokens,
+        "counters": {k: v for k, v in other.counters.items() if v},
+    }
+    checks.tenant_isolated(step, other)
     warm = run_round(s, docs)
     step.values.update(warm.summary())
     s3_tokens = rounds.s3_tokens(warm, s.cfg.chunk_size)
