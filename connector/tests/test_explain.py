@@ -17,6 +17,7 @@ from _helpers import FINGERPRINT
 
 from kvtier.cli import main
 from kvtier.config import load_config
+from kvtier.explain.compare import Rendered
 from kvtier.explain.held import CacheView
 from kvtier.format import pack_header
 from kvtier.keys import chunk_hashes
@@ -313,3 +314,29 @@ def test_bad_inputs_say_what_to_pass(
     for args, message in cases.items():
         assert main(["explain", *args]) == 2, args
         assert message in capsys.readouterr().err, args
+
+
+def test_same_tokens_under_another_identity_share_no_chunk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another cache_salt, adapter or namespace: a miss whatever the tokens; said so."""
+    tokens = list(range(300, 300 + 600))
+    lines = [
+        {"prompt": tokens, "cache_salt": "tenant-a", "model": "sql"},
+        {"prompt": tokens, "cache_salt": "tenant-b", "model": "sql"},
+        {"prompt": tokens, "cache_salt": "tenant-a", "model": "support"},
+        {"prompt": tokens, "cache_salt": "tenant-a"},
+    ]
+    path = tmp_path / "tenants.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    doc = _explain(capsys, str(path))
+    _, other_salt, other_adapter, default_model = doc["prompts"]
+    assert other_salt["shared_chunks"] == 0
+    assert other_salt["other_identity"] == "cache_salt 'tenant-b' vs 'tenant-a'"
+    assert "chunk 0: another identity (cache_salt 'tenant-b' vs 'tenant-a')" in other_salt["where"]
+    assert other_adapter["other_identity"] == "model 'support' vs 'sql'"
+    # No model named: the served default, which may be "sql": not called another identity.
+    assert default_model["other_identity"] is None and default_model["shared_chunks"] == 2
+    # A salt goes into the keys as the server puts it: not the unsalted prompt's keys.
+    salted = Rendered.of("a", tokens, 256, (("cache_salt", "tenant-a"),))
+    assert salted.hashes[0] != Rendered.of("plain", tokens, 256).hashes[0]

@@ -46,6 +46,8 @@ def _renderer(args: argparse.Namespace) -> Renderer | None:
 
 
 def _where(d: Divergence, p: Rendered, chunk: int) -> str:
+    if d.other_identity:
+        return f"chunk 0: another identity ({d.other_identity}), {d.shared_tokens:,} tokens equal"
     if d.position is None:
         return "none: identical" if d.kind == "identical" else f"none: it begins #{d.partner + 1}"
     k = d.position // chunk
@@ -97,7 +99,10 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(args.config) if args.config else None
     chunk = args.chunk_size or (cfg.chunk_size if cfg else 256)
     renderer = _renderer(args)
-    prompts = [Rendered.of(p.label, render(renderer, p), chunk) for p in read_prompts(args.prompts)]
+    prompts = [
+        Rendered.of(p.label, render(renderer, p), chunk, p.identity)
+        for p in read_prompts(args.prompts)
+    ]
     view = CacheView(cfg, args.namespace or cfg.namespace) if cfg else None
     try:
         fps = view.fingerprints(args.fingerprint) if view else []
@@ -113,6 +118,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
                     "shared_chunks": d.shared_chunks,
                     "shared_tokens": d.shared_tokens,
                     "kind": d.kind,
+                    "other_identity": d.other_identity,
                     "first_divergence": d.position,
                     "where": _where(d, p, chunk),
                     "context": _context(d, prompts, renderer, args.context),

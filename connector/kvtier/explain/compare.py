@@ -4,13 +4,18 @@ Chunk keys are the connector's (`kvtier.keys.chunk_hashes`): chained, so two pro
 chunk i exactly when they share every token up to the end of chunk i. A prompt can be served
 from the cache up to its first chunk that differs from every prompt sent before it; the prompt
 that shares the longest prefix with it is the one to compare it with.
+
+Two prompts whose requests differ in identity (another ``cache_salt``, another model or LoRA
+adapter, another namespace, images or audio) share no chunk, whatever their tokens: a salt is
+put into the keys as the server does (so the tiers are asked for the right chunks); for the
+others the keys cannot be computed here, and the prompts are said to differ at chunk 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.keys import chunk_hashes
+from kvtier.keys import chunk_hashes, encode_extra_keys
 
 
 @dataclass(frozen=True)
@@ -18,10 +23,38 @@ class Rendered:
     label: str
     tokens: list[int]
     hashes: list[str]  # one per full chunk
+    identity: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, label: str, tokens: list[int], chunk_size: int) -> Rendered:
-        return cls(label, tokens, chunk_hashes(tokens, chunk_size))
+    def of(
+        cls,
+        label: str,
+        tokens: list[int],
+        chunk_size: int,
+        identity: tuple[tuple[str, str], ...] = (),
+    ) -> Rendered:
+        salt = dict(identity).get("cache_salt")
+        extras = None
+        if salt and len(tokens) >= chunk_size:
+            n = len(tokens) // chunk_size
+            extras = [encode_extra_keys([("cache_salt", salt)])] + [b""] * (n - 1)
+        return cls(label, tokens, chunk_hashes(tokens, chunk_size, extras=extras), identity)
+
+
+def identity_difference(a: Rendered, b: Rendered) -> str | None:
+    """How the identities of two requests differ, e.g. "cache_salt 'a' vs none"."""
+    da, db = dict(a.identity), dict(b.identity)
+    diffs = [
+        f"{k} {da[k]!r} vs {db[k]!r}"
+        if k in da and k in db
+        else f"{k} {da[k]!r} vs none"
+        if k in da
+        else f"{k} none vs {db[k]!r}"
+        for k in sorted(set(da) | set(db))
+        # A request without "model" asks for the served default, which may be the other's.
+        if da.get(k) != db.get(k) and (k != "model" or (k in da and k in db))
+    ]
+    return "; ".join(diffs) or None
 
 
 @dataclass(frozen=True)
@@ -34,6 +67,8 @@ class Divergence:
     shared_chunks: int  # leading full chunks with the same key
     chunks: int  # full chunks of this prompt
     kind: str  # identical | contained (all of it begins the partner) | extends | diverges
+    #: Set when the two requests differ in identity (then no chunk is shared at all).
+    other_identity: str | None = None
 
     @property
     def position(self) -> int | None:
@@ -82,6 +117,7 @@ def divergences(prompts: list[Rendered]) -> list[Divergence]:
             kind = "extends"
         else:
             kind = "diverges"
-        chunks = _shared_chunks(p.hashes, q.hashes)
-        out.append(Divergence(i, best, best_len, chunks, len(p.hashes), kind))
+        other = identity_difference(p, q)
+        chunks = 0 if other else _shared_chunks(p.hashes, q.hashes)
+        out.append(Divergence(i, best, best_len, chunks, len(p.hashes), kind, other))
     return out
