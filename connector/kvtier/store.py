@@ -108,15 +108,22 @@ class TieredStore:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(
-        cls, cfg: KvtierConfig, fingerprint: str, object_chunks: int = 1
+        cls,
+        cfg: KvtierConfig,
+        fingerprint: str,
+        object_chunks: int = 1,
+        *,
+        disk_maintain: bool = True,
+        disk_peers: frozenset[str] = frozenset(),
     ) -> TieredStore:
         """A store over the tiers ``cfg`` enables (:func:`kvtier.tiers.tiers_from_config`); the
         remote tier's runs are cut every ``object_chunks`` chunks (the connector derives it
-        from the layout: :func:`kvtier.format.chunks_per_object`)."""
+        from the layout: :func:`kvtier.format.chunks_per_object`). ``disk_maintain``,
+        ``disk_peers``: see `kvtier.tiers.disk.DiskTier`."""
         from kvtier.tiers import tiers_from_config
 
         return cls(
-            tiers_from_config(cfg),
+            tiers_from_config(cfg, disk_maintain=disk_maintain, disk_peers=disk_peers),
             fingerprint,
             cfg.namespace,
             verify_checksums=cfg.verify_checksums,

@@ -123,3 +123,32 @@ def test_a_tool_opening_the_directory_changes_nothing(tmp_path: Path) -> None:
     assert tmp.exists() and len(view) == 4
     DiskTier(str(tmp_path), 100)  # a server's start: cleans up and evicts down to its cap
     assert not tmp.exists() and len(list(tmp_path.rglob("*.kvt"))) == 0
+
+
+def test_tensor_parallel_ranks_sharing_a_directory_keep_their_own_chunks(tmp_path: Path) -> None:
+    """Each rank (its own layout fingerprint) indexes and evicts only its own chunks, and keeps
+    them across restarts; a scheduler that only looks up evicts nothing. Before, every process
+    evicted the whole directory down to its own cap at start: 96 files became 67 at a TP 2
+    restart."""
+    fp0, fp1, old = "0" * 32, "1" * 32, "f" * 32
+    rank0 = DiskTier(str(tmp_path), 3000, peers=frozenset({fp1}))
+    rank1 = DiskTier(str(tmp_path), 3000, peers=frozenset({fp0}))
+    for i in range(3):
+        rank0.put(f"default/{fp0}/{i:032x}", b"", b"0" * 1000)
+        rank1.put(f"default/{fp1}/{i:032x}", b"", b"1" * 1000)
+    assert len(list(tmp_path.rglob("*.kvt"))) == 6
+    # A peer's file read by this rank is not adopted into its index (it would evict it).
+    assert rank0.get(f"default/{fp1}/{0:032x}") is not None and len(rank0) == 3
+    # Restart: the scheduler's look-up-only tier and both ranks again; nothing is lost.
+    DiskTier(str(tmp_path), 1000, maintain=False)
+    again0 = DiskTier(str(tmp_path), 3000, peers=frozenset({fp1}))
+    again1 = DiskTier(str(tmp_path), 3000, peers=frozenset({fp0}))
+    assert len(again0) == len(again1) == 3
+    assert len(list(tmp_path.rglob("*.kvt"))) == 6
+    # A layout of no live rank (an earlier configuration) is the ranks' to evict.
+    DiskTier(str(tmp_path), 10_000).put(f"default/{old}/{0:032x}", b"", b"x" * 1000)
+    (stale,) = tmp_path.rglob(f"{old}/*/*.kvt")
+    os.utime(stale, (1, 1))  # least recently used
+    assert len(DiskTier(str(tmp_path), 3000, peers=frozenset({fp1}))) == 3
+    assert not stale.exists()
+    assert len(list(tmp_path.rglob(f"{fp1}/*/*.kvt"))) == 3

@@ -329,3 +329,37 @@ def test_a_load_from_s3_is_planned_in_the_background_when_asked() -> None:
     quiet = _scheduler(runs=4, remote=found)
     quiet.num_new_matched_tokens("r", prompt, 0)
     assert not quiet.loads_in_background("r")
+
+
+def test_a_chunk_whose_load_failed_is_saved_again_as_it_is_recomputed() -> None:
+    """A rank that lacks a chunk the lookup found (on rank 0) reports its blocks invalid: from
+    that chunk on, the recomputed chunks are saved again (by every rank), so the next request
+    hits everywhere."""
+    prompt = list(range(1000))
+    hashes = chunk_hashes(prompt, CHUNK)
+    s = make(hashes)  # all 3 full chunks found
+    assert s.num_new_matched_tokens("r", prompt, 0) == 768
+    s.after_alloc("r", 768)
+    blocks = list(range(100, 108))
+    s.on_scheduled(
+        "r",
+        prompt=prompt,
+        block_ids=blocks,
+        replace_blocks=True,
+        num_computed_tokens=768,
+        num_scheduled_tokens=232,
+    )
+    assert not s.take_plan().saves  # stored already
+    s.loads_failed({blocks[2]})  # chunk 1's first block
+    # vLLM recomputes from chunk 1 (token 256) on: chunks 1 and 2 are saved again.
+    s.on_scheduled(
+        "r",
+        prompt=None,
+        block_ids=None,
+        replace_blocks=False,
+        num_computed_tokens=256,
+        num_scheduled_tokens=744,
+    )
+    assert [sv.chunk_hash for sv in s.take_plan().saves] == hashes[1:]
+    s.loads_failed({999})  # a block of no request: nothing changes
+    assert not s.take_plan().saves

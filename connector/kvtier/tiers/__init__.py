@@ -13,8 +13,11 @@ if TYPE_CHECKING:
 __all__ = ["Tier", "TierError", "tiers_from_config"]
 
 
-def tiers_from_config(cfg: KvtierConfig) -> list[Tier]:
-    """The tiers ``cfg`` enables, fastest first: CPU, disk, and S3 behind its circuit breaker."""
+def tiers_from_config(
+    cfg: KvtierConfig, *, disk_maintain: bool = True, disk_peers: frozenset[str] = frozenset()
+) -> list[Tier]:
+    """The tiers ``cfg`` enables, fastest first: CPU, disk, and S3 behind its circuit breaker.
+    ``disk_maintain``, ``disk_peers``: see `kvtier.tiers.disk.DiskTier`."""
     tiers: list[Tier] = []
     if cfg.local_cpu and cfg.cpu_bytes > 0:
         from kvtier.tiers.cpu import CpuTier
@@ -23,7 +26,9 @@ def tiers_from_config(cfg: KvtierConfig) -> list[Tier]:
     if cfg.local_disk:
         from kvtier.tiers.disk import DiskTier
 
-        tiers.append(DiskTier(cfg.local_disk, cfg.disk_bytes))
+        tiers.append(
+            DiskTier(cfg.local_disk, cfg.disk_bytes, maintain=disk_maintain, peers=disk_peers)
+        )
     if cfg.remote_url:
         from kvtier.tiers.guard import CircuitBreaker, GuardedTier
         from kvtier.tiers.s3 import make_s3_tier

@@ -58,12 +58,27 @@ def chunk_path(root: str, key: str) -> str:
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, root: str, capacity_bytes: int, *, maintain: bool = True) -> None:
-        """``maintain=False`` opens the directory as a tool does (kvtier ls, purge, explain):
-        temp files are left alone (they may be a running server's writes in progress) and
-        nothing is evicted at open, whatever the cap."""
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        *,
+        maintain: bool = True,
+        peers: frozenset[str] = frozenset(),
+    ) -> None:
+        """``maintain=False`` opens the directory as a tool does (kvtier ls, purge, explain) or
+        a scheduler that only looks up: temp files are left alone (they may be a running
+        server's writes in progress) and nothing is evicted at open, whatever the cap.
+
+        ``peers``: layout fingerprints of the other processes writing this directory (the
+        other tensor-parallel ranks of the same server): their chunks are neither indexed nor
+        evicted here, so each rank keeps its own chunks under its own cap (without it, every
+        rank evicted the whole directory down to its cap at start, and the tier shrank at
+        every restart). Chunks of any other layout (an earlier configuration) are this
+        process's to evict."""
         self.root = os.path.abspath(root)
         self._maintain = maintain
+        self._peers = peers
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -80,6 +95,11 @@ class DiskTier(Tier):
         rel = os.path.relpath(path, self.root).split(os.sep)
         return str(ChunkKey(rel[0], rel[1], rel[3][: -len(_SUFFIX)]))
 
+    def _is_peers(self, path: str) -> bool:
+        return (
+            bool(self._peers) and os.path.relpath(path, self.root).split(os.sep)[1] in self._peers
+        )
+
     def _rebuild_index(self) -> None:
         found: list[tuple[float, str, int]] = []
         for dirpath, _dirs, files in os.walk(self.root):
@@ -90,6 +110,8 @@ class DiskTier(Tier):
                         self._unlink(path)
                     continue
                 if not fname.endswith(_SUFFIX) or path.count(os.sep) - self.root.count(os.sep) != 4:
+                    continue
+                if self._is_peers(path):
                     continue
                 try:
                     st = os.stat(path)
@@ -167,7 +189,7 @@ class DiskTier(Tier):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-            else:  # written by another process sharing the directory
+            elif not self._is_peers(path):  # written by another process sharing the directory
                 self._index[key] = len(header) + len(payload)
                 self._used += len(header) + len(payload)
         # evicted meanwhile or read-only: the LRU order is only a hint

@@ -35,7 +35,7 @@ from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.identity import RequestIdentity, Uncacheable
-from kvtier.vllm.layout import KVLayout, check_tensors, expected_layout
+from kvtier.vllm.layout import KVLayout, LayoutError, check_tensors, expected_layout
 from kvtier.vllm.plan import StepPlan
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -72,6 +72,27 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     plan: StepPlan = field(default_factory=StepPlan)
 
 
+def _refuse_unsupported_parallelism(vllm_config: Any) -> None:
+    """Fail at start, naming the setting, for parallelism kvtier's keys cannot express yet."""
+    par = vllm_config.parallel_config
+    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise LayoutError(
+            f"kvtier does not support pipeline parallelism (pipeline_parallel_size={pp}): each "
+            "stage holds only its own layers, and the scheduler looks chunks up under one "
+            "layout. Serve with --pipeline-parallel-size 1 (tensor parallelism is supported), "
+            "or without kv_transfer_config"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(par, name, 1) or 1)
+        if size > 1:
+            raise LayoutError(
+                f"kvtier does not support context parallelism ({name}={size}): a block then "
+                "spans the ranks' shards of several positions, which kvtier's chunks do not "
+                f"describe. Serve with {name} 1, or without kv_transfer_config"
+            )
+
+
 def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
     size = int(vllm_config.parallel_config.tensor_parallel_size)
     if role != KVConnectorRole.WORKER or size == 1:
@@ -87,6 +108,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         dist = check_vllm_version()
         _use_vllm_log_handlers()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _refuse_unsupported_parallelism(vllm_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg: KvtierConfig = load_config(extra or None) if not extra else load_config(extra)
         self.layout: KVLayout = expected_layout(vllm_config, kv_cache_config)
@@ -103,6 +125,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             model_id, self.cfg.chunk_size, tp_rank, tp_size, self.object_chunks
         )
         self.fingerprint = fingerprint.digest()
+        #: The other TP ranks' layouts: their chunks in a shared disk directory are theirs.
+        self._peer_fingerprints = frozenset(
+            self.layout.fingerprint(
+                model_id, self.cfg.chunk_size, r, tp_size, self.object_chunks
+            ).digest()
+            for r in range(tp_size)
+            if r != tp_rank
+        )
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
         self._lookups: RemoteLookups | None = None
@@ -150,8 +180,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stats = os.path.join(cfg.stats_path, "scheduler") if cfg.stats_path else None
         shared = cfg.model_copy(update={"local_cpu": False, "stats_dir": stats})
         if shared.local_disk or shared.remote_url:
+            # Lookups only: the disk tier is the workers' to evict.
             self._lookup_store = open_store(
-                shared, self.fingerprint, "scheduler", self.object_chunks
+                shared, self.fingerprint, "scheduler", self.object_chunks, disk_maintain=False
             )
         store = self._lookup_store
         if store is not None and store.remote_tier is not None:
@@ -179,7 +210,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors = check_tensors(self.layout, kv_caches)
-        store = open_store(self.cfg, self.fingerprint, "worker", self.object_chunks)
+        store = open_store(
+            self.cfg,
+            self.fingerprint,
+            "worker",
+            self.object_chunks,
+            disk_peers=self._peer_fingerprints,
+        )
         if store is None:
             return  # no tier left to use (logged): served without kvtier
         self._worker = WorkerSide(
@@ -290,6 +327,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_scheduled_tokens=num_scheduled.get(req_id, 0),
             )
         return KvtierMetadata(plan=sched.take_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self._scheduler is not None and invalid:
+            self._scheduler.loads_failed(set(invalid))
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -9,6 +9,11 @@ Rules:
   covers tokens 0..(i+1)*chunk_size (chained hashes), so a hit on chunk i implies its prefix,
   and the request's identity beyond its tokens over that range (``extras``: salt, LoRA adapter,
   multimodal items, prompt embeddings; `kvtier.vllm.identity`).
+- A load that fails (vLLM reports the request's blocks invalid; with tensor parallelism a chunk
+  one rank lacks, say: the lookup asks rank 0's keys) is recomputed by vLLM from the failed
+  chunk on, and those chunks are saved again as they are recomputed (`loads_failed`): each rank
+  writes what it computed, so the rank that lacked the chunk has it from then on and the next
+  request hits on every rank, instead of paying a failed load forever.
 - Only requests the connector looked up are planned: one `num_new_matched_tokens` never saw (or
   one served without kvtier) is never saved, so nothing is stored under a key that might not
   cover its identity.
@@ -482,6 +487,23 @@ class SchedulerSide:
         self.cpu_index.add(st.hashes[k])
         self.counters.planned_save_chunks += 1
         return True
+
+    def loads_failed(self, invalid_block_ids: set[int]) -> None:
+        """vLLM reported these blocks' loads failed: each request holding one is recomputed
+        from its first chunk with a failed block, and from there its chunks are saved again."""
+        bpc = self.blocks_per_chunk
+        for st in self._reqs.values():
+            found = st.found_chunks or 0
+            failed = [
+                k
+                for k in range(found)
+                if not invalid_block_ids.isdisjoint(st.block_ids[k * bpc : (k + 1) * bpc])
+            ]
+            if failed:
+                k = failed[0]
+                st.found_chunks = k
+                st.known_stored = min(st.known_stored, k)
+                st.next_save = min(st.next_save, k)
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()

@@ -31,12 +31,25 @@ class RemoteTierUnavailable(RuntimeError):
 
 
 def open_store(
-    cfg: KvtierConfig, fingerprint: str, who: str, object_chunks: int = 1
+    cfg: KvtierConfig,
+    fingerprint: str,
+    who: str,
+    object_chunks: int = 1,
+    *,
+    disk_maintain: bool = True,
+    disk_peers: frozenset[str] = frozenset(),
 ) -> TieredStore | None:
     """The store of ``cfg`` (None when it has no tier left to use); ``who`` names the process
-    side in messages ("scheduler", "worker tp0")."""
+    side in messages ("scheduler", "worker tp0"). ``disk_maintain``, ``disk_peers``: see
+    `kvtier.tiers.disk.DiskTier` (a scheduler that only looks up, the other TP ranks)."""
+
+    def store_of(c: KvtierConfig, chunks: int) -> TieredStore:
+        return TieredStore.from_config(
+            c, fingerprint, chunks, disk_maintain=disk_maintain, disk_peers=disk_peers
+        )
+
     try:
-        store = TieredStore.from_config(cfg, fingerprint, object_chunks)
+        store = store_of(cfg, object_chunks)
     except ConfigError as exc:
         if not cfg.remote_url:
             raise
@@ -44,7 +57,7 @@ def open_store(
         without = cfg.model_copy(update={"remote_url": None})
         if not (without.local_cpu and without.cpu_bytes) and not without.local_disk:
             return None
-        return TieredStore.from_config(without, fingerprint)
+        return store_of(without, 1)
     remote = store.remote_tier
     if remote is not None:
         try:
