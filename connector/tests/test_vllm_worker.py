@@ -121,3 +121,40 @@ def test_a_background_load_that_fails_reports_its_blocks_with_the_request() -> N
     assert copier.written == [(0, 1)]
     assert worker.take_stats()["load_failed_tokens"] == 64
     worker.close(1)
+
+
+def test_a_load_after_a_timed_out_one_does_not_queue_behind_it() -> None:
+    """The first fetch hangs (a black-holed endpoint) and times out; the next loads get their
+    own thread and load (before: one fetch thread, so each later load waited for the hung one
+    and timed out too). Past four hung fetches, loads fail at once instead of waiting."""
+    hung = threading.Event()
+
+    class HangsOnce(Store):
+        calls = 0
+
+        def get_many(self, refs: Sequence[str | ChunkRef]) -> list[bytes | None]:
+            HangsOnce.calls += 1
+            if HangsOnce.calls == 1:
+                hung.wait(10)
+            return super().get_many(refs)
+
+    store, copier = HangsOnce({"c0": PAYLOAD, "c1": PAYLOAD}), Copier()
+    worker = WorkerSide(store, copier, timeout_secs=0.2)  # type: ignore[arg-type]
+    worker.load([_spec("a", 0, background=False)])
+    assert worker.take_failed_blocks() == {0, 1}  # timed out: recomputed
+    worker.load([_spec("b", 1, background=False)])
+    assert worker.take_failed_blocks() == set() and copier.written == [(2, 3)]
+    hung.set()
+    worker.close(5)
+
+
+def test_loads_fail_at_once_while_four_fetches_hang() -> None:
+    store, copier = Store({"c0": PAYLOAD}), Copier()
+    store.release.clear()  # every fetch hangs
+    worker = WorkerSide(store, copier, timeout_secs=0.05)  # type: ignore[arg-type]
+    for _ in range(5):
+        worker.load([_spec("a", 0, background=False)])
+    assert len(store.asked) == 0 and worker.take_failed_blocks() == {0, 1}
+    assert worker.take_stats()["load_timeouts"] == 5
+    store.release.set()
+    worker.close(5)

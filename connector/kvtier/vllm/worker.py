@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
@@ -32,6 +32,8 @@ from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
+#: Fetch threads left waiting on a tier after their load timed out, at most (see __init__).
+_MAX_ABANDONED = 4
 
 
 class ChunkStore(Protocol):
@@ -58,9 +60,12 @@ class WorkerSide:
         self.store = store
         self.copier = copier
         self.timeout_secs = timeout_secs
-        # One thread waits on the store so a stalled tier cannot hold the forward pass
-        # beyond the timeout (the late result is dropped).
+        # A thread waits on the store so a stalled tier cannot hold the forward pass beyond the
+        # timeout (the late result is dropped). A fetch that timed out keeps its thread until
+        # the tier's own timeouts end it: the next load gets a new one instead of queueing
+        # behind it (at most _MAX_ABANDONED such threads; beyond, loads fail at once).
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-fetch")
+        self._abandoned: list[Future[list[bytes | None]]] = []
         # Background loads (vLLM's asynchronous loads), a request at a time each thread.
         self._background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-load")
         self._finished_loads: dict[str, set[int]] = {}
@@ -127,6 +132,10 @@ class WorkerSide:
         dropped); else here (a background load: its S3 client's timeouts bound it)."""
         if not wait:
             return dict(zip((r.chunk_id for r in refs), self.store.get_many(refs), strict=True))
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+        if len(self._abandoned) >= _MAX_ABANDONED:
+            self._count("load_timeouts")
+            return {}  # the tier hangs every fetch: recompute at once rather than wait again
         fut = self._fetcher.submit(self.store.get_many, refs)
         try:
             got = fut.result(timeout=self.timeout_secs)
@@ -138,6 +147,9 @@ class WorkerSide:
                 self.timeout_secs,
             )
             self._count("load_timeouts")
+            self._abandoned.append(fut)
+            self._fetcher.shutdown(wait=False)
+            self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-fetch")
             return {}
         return dict(zip((r.chunk_id for r in refs), got, strict=True))
 
