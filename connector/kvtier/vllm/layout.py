@@ -180,12 +180,25 @@ def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
             "or MLA models are not supported: remove kv_transfer_config for this model)"
         )
     spec = groups[0].kv_cache_spec
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
+    if getattr(spec, "non_causal", False):
         raise LayoutError(
-            f"kvtier does not support kv_cache_dtype={cache_dtype!r}: use --kv-cache-dtype auto"
+            "kvtier does not support models with non-causal attention (prefix LM): a token's "
+            "KV then depends on tokens after it, so a stored prefix is not reusable (vLLM turns "
+            "its own prefix caching off for them too). Serve this model without "
+            "kv_transfer_config"
         )
     dtype: torch.dtype = spec.dtype
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    # "auto", or the model's own dtype named explicitly: the KV cache holds the model's dtype.
+    if cache_dtype not in ("auto", model_dtype) or dtype != vllm_config.model_config.dtype:
+        raise LayoutError(
+            f"kvtier does not support a KV cache of another dtype than the model's "
+            f"({model_dtype}): kv_cache_dtype is {cache_dtype!r} (set by --kv-cache-dtype, or "
+            "resolved by vLLM from the checkpoint's quantization config, as for FP8 "
+            f"checkpoints). Serve with --kv-cache-dtype {model_dtype}, or without "
+            "kv_transfer_config"
+        )
     itemsize = torch.empty((), dtype=dtype).element_size()
     common: dict[str, Any] = {
         "dtype": str(dtype).removeprefix("torch."),

@@ -1,0 +1,75 @@
+"""What kvtier refuses at start, and says, for the KV cache vLLM describes (vLLM's own spec
+classes; runs under the vLLM venv: `make test-cuda-cpu`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+from kvtier.vllm.connector import _refuse_unsupported_parallelism
+from kvtier.vllm.layout import LayoutError, expected_layout
+
+
+def _configs(
+    cache_dtype: str = "auto",
+    spec_dtype: torch.dtype = torch.bfloat16,
+    non_causal: bool = False,
+) -> tuple[SimpleNamespace, SimpleNamespace]:
+    spec = FullAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=spec_dtype, non_causal=non_causal
+    )
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, kv_cache_layout=None),
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+    )
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["l.0", "l.1"], spec)])
+    return vllm_config, kv_cache_config
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16"])
+def test_the_models_own_dtype_is_accepted_by_name_too(cache_dtype: str) -> None:
+    layout = expected_layout(*_configs(cache_dtype))
+    assert layout.dtype == "bfloat16"
+
+
+def test_an_fp8_kv_cache_is_refused_naming_both_ways_it_comes() -> None:
+    # An FP8 checkpoint: vLLM resolves kv_cache_dtype from its quantization config.
+    with pytest.raises(LayoutError) as err:
+        expected_layout(*_configs("fp8_e4m3", torch.float8_e4m3fn))
+    message = str(err.value)
+    assert "kv_cache_dtype is 'fp8_e4m3'" in message
+    assert "resolved by vLLM from the checkpoint's quantization config" in message
+    assert "--kv-cache-dtype bfloat16" in message and "use --kv-cache-dtype auto" not in message
+
+
+def test_float16_kv_for_a_bfloat16_model_is_refused() -> None:
+    with pytest.raises(LayoutError, match="another dtype than the model's"):
+        expected_layout(*_configs("float16", torch.float16))
+
+
+def test_non_causal_attention_is_refused() -> None:
+    with pytest.raises(LayoutError, match="non-causal attention"):
+        expected_layout(*_configs(non_causal=True))
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("pipeline_parallel_size", "does not support pipeline parallelism"),
+        ("decode_context_parallel_size", "decode_context_parallel_size=2"),
+        ("prefill_context_parallel_size", "prefill_context_parallel_size=2"),
+    ],
+)
+def test_pipeline_and_context_parallelism_are_refused(setting: str, message: str) -> None:
+    sizes = {
+        "pipeline_parallel_size": 1,
+        "decode_context_parallel_size": 1,
+        "prefill_context_parallel_size": 1,
+    }
+    config = SimpleNamespace(parallel_config=SimpleNamespace(**{**sizes, setting: 2}))
+    with pytest.raises(LayoutError, match=message):
+        _refuse_unsupported_parallelism(config)
+    _refuse_unsupported_parallelism(SimpleNamespace(parallel_config=SimpleNamespace(**sizes)))
