@@ -121,7 +121,9 @@ def _verify(url: str, fault: str, monkeypatch: pytest.MonkeyPatch) -> list[Step]
     objects = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost_object" else 0)
     monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
     monkeypatch.setattr(
-        kvtier.admin.chunks, "count_chunks", lambda cfg, ns: {"s3": objects, "disk": 0}
+        kvtier.admin.chunks,
+        "count_chunks_by_layout",
+        lambda cfg, ns: {"s3": {"f" * 32: objects}, "disk": {}},
     )
     cfg = load_config({"remote_url": "s3://bkt/kv", "request_namespaces": ["kvtier-verify"]})
     settings = Settings(
@@ -164,7 +166,8 @@ def test_a_healthy_server_passes_every_step(
         ("cold_hits", "step 2 (cold round): prompt tokens served by kvtier: expected 0, "
          "measured 512"),
         ("lost_object", "step 3 (restart vLLM, clear the host's local tiers): chunks in "
-         "the bucket (namespace): expected 4 (2 documents x 2 chunks), measured 3"),
+         "the bucket (namespace), per layout (one per tensor-parallel rank): expected 4 "
+         "(2 documents x 2 chunks), measured 3"),
         ("s3_share", "step 4 (warm round (from Ceph only)): share of prompt tokens served by the "
          "S3 tier: expected >= 0.9, measured 0.500 (512 of 1024 tokens)"),
         ("tenant_leak", "step 4 (warm round (from Ceph only)): another tenant's request "

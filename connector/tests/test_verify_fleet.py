@@ -83,7 +83,9 @@ def _run(servers: dict[str, Any], fault: str, monkeypatch: pytest.MonkeyPatch) -
     servers["peer"].fault = fault
     stored = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost" else 0)
     monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda *a: {"s3": 0})
-    monkeypatch.setattr(kvtier.admin.chunks, "count_chunks", lambda *a: {"s3": stored})
+    monkeypatch.setattr(
+        kvtier.admin.chunks, "count_chunks_by_layout", lambda *a: {"s3": {"f" * 32: stored}}
+    )
     monkeypatch.setattr(kvtier.verify.fleet, "_OBJECTS_TIMEOUT", 0.5)
     cfg = load_config({"remote_url": "s3://bkt/kv", "request_namespaces": ["kvtier-verify-fleet"]})
     s = FleetSettings(
@@ -123,8 +125,8 @@ def test_a_peer_that_loads_everything_from_ceph_passes(
 @pytest.mark.parametrize(
     ("fault", "failure"),
     [
-        ("lost", "step 2 (chunks in the bucket): chunks in the bucket (namespace): "
-         "expected 4 (2 documents x 2 chunks), measured 3"),
+        ("lost", "step 2 (chunks in the bucket): chunks in the bucket (namespace), per layout "
+         "(one per tensor-parallel rank): expected 4 (2 documents x 2 chunks), measured 3"),
         ("miss", "step 3 (serve2 loads from Ceph what serve1 computed): share of prompt tokens "
          "served by the S3 tier: expected >= 0.9, measured 0.000 (0 of 1024 tokens)"),
         ("failed", "step 3 (serve2 loads from Ceph what serve1 computed): tokens whose load "

@@ -3,9 +3,11 @@ namespace. `kvtier ls` and `purge`, `kvtier verify` and the benchmarks' cleanup 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 
 from kvtier.config import KvtierConfig
+from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier
 
 
@@ -48,6 +50,26 @@ def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> 
     for tier in persistent_tiers(cfg, only):
         try:
             counts[tier.name] = chunks_held(tier, [k for k, _ in tier.list_keys(f"{namespace}/")])
+        finally:
+            tier.close()
+    return counts
+
+
+def count_chunks_by_layout(
+    cfg: KvtierConfig, namespace: str, only: str | None = None
+) -> dict[str, dict[str, int]]:
+    """Chunks stored under ``namespace`` per persistent tier and layout fingerprint (a server
+    with tensor parallelism stores one layout per rank). Raises `TierError`."""
+    counts: dict[str, dict[str, int]] = {}
+    for tier in persistent_tiers(cfg, only):
+        try:
+            by_layout: dict[str, list[str]] = defaultdict(list)
+            for key, _ in tier.list_keys(f"{namespace}/"):
+                try:
+                    by_layout[ChunkKey.parse(key).fingerprint].append(key)
+                except ValueError:
+                    continue  # not a chunk
+            counts[tier.name] = {fp: chunks_held(tier, keys) for fp, keys in by_layout.items()}
         finally:
             tier.close()
     return counts

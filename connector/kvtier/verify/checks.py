@@ -64,13 +64,22 @@ def generated_tokens(step: Step, cold: Round, output_tokens: int) -> bool:
     )
 
 
-def bucket_chunks(step: Step, stored: int | None, documents: int, chunks_per_doc: int) -> bool:
+def bucket_chunks(
+    step: Step, stored: dict[str, int] | None, documents: int, chunks_per_doc: int
+) -> bool:
+    """Every layout in the bucket (one per tensor-parallel rank) holds every chunk."""
     expected = documents * chunks_per_doc
+    if stored is None:
+        measured = "no S3 tier configured"
+    elif len(stored) <= 1:
+        measured = str(sum(stored.values()))
+    else:
+        measured = ", ".join(f"{n} (layout {fp[:8]})" for fp, n in sorted(stored.items()))
     return step.check(
-        "chunks in the bucket (namespace)",
-        stored == expected,
+        "chunks in the bucket (namespace), per layout (one per tensor-parallel rank)",
+        bool(stored) and all(n == expected for n in (stored or {}).values()),
         f"{expected} ({documents} documents x {chunks_per_doc} chunks)",
-        "no S3 tier configured" if stored is None else str(stored),
+        measured,
     )
 
 

@@ -108,18 +108,23 @@ def _run_steps(
         with timed_step(
             steps, number, f"{peer.name} loads from Ceph what {s.host} computed"
         ) as step:
-            peers[peer.name] = _peer(s.at(peer), docs, cold, reference, step)
+            peers[peer.name] = _peer(s.at(peer), docs, cold, reference, step, len(stored))
         if not step.ok:
             return
 
 
 def _peer(
-    s: FleetSettings, docs: list[list[int]], cold: Round, reference: Round, step: Step
+    s: FleetSettings,
+    docs: list[list[int]],
+    cold: Round,
+    reference: Round,
+    step: Step,
+    ranks: int,
 ) -> dict[str, Any]:
     warm_up(s)
     warm = run_round(s, docs)
     step.values.update(warm.summary())
-    from_s3 = s3_tokens(warm, s.cfg.chunk_size)
+    from_s3 = s3_tokens(warm, s.cfg.chunk_size, ranks)
     ratio = warm.median_ttft / cold.median_ttft
     checks.s3_share(step, from_s3, warm.prompt_tokens, s.min_s3_share)
     checks.no_failed_loads(step, warm)
@@ -145,16 +150,17 @@ def _purge(s: FleetSettings) -> dict[str, int]:
         raise VerifyError(f"purging namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
 
 
-def _wait_for_objects(s: FleetSettings, wanted: int) -> int:
-    from kvtier.admin.chunks import count_chunks
+def _wait_for_objects(s: FleetSettings, wanted: int) -> dict[str, int]:
+    """Chunks in the bucket per layout (one per TP rank), once each holds ``wanted``."""
+    from kvtier.admin.chunks import count_chunks_by_layout
 
     deadline = time.monotonic() + _OBJECTS_TIMEOUT
     while True:
         try:
-            stored = count_chunks(s.cfg, s.namespace, "s3").get("s3", 0)
+            stored = count_chunks_by_layout(s.cfg, s.namespace, "s3").get("s3", {})
         except TierError as exc:
             raise VerifyError(f"listing namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
-        if stored >= wanted or time.monotonic() > deadline:
+        if (stored and min(stored.values()) >= wanted) or time.monotonic() > deadline:
             return stored
         time.sleep(0.5)  # the server's background writes: nothing to wait on but the listing
 

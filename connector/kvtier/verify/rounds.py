@@ -148,11 +148,13 @@ class Round:
         }
 
 
-def s3_tokens(r: Round, chunk_size: int) -> float:
+def s3_tokens(r: Round, chunk_size: int, ranks: int = 1) -> float:
     """Prompt tokens of a round that the S3 tier served (its verified chunks, at most what was
-    loaded: a chunk's last block may be one vLLM computes)."""
+    loaded: a chunk's last block may be one vLLM computes). Each of a server's ``ranks``
+    (tensor parallelism: one layout per rank in the bucket) loads and counts its own share of
+    every token: the counters are divided by them."""
     s3_chunks = r.counters["kvtier:tier_hits_total{tier=s3}"]
-    return min(s3_chunks * chunk_size, r.counters["kvtier:loaded_tokens_total"])
+    return min(s3_chunks * chunk_size, r.counters["kvtier:loaded_tokens_total"]) / max(1, ranks)
 
 
 def _request(s: Target, doc: Sequence[int], max_tokens: int, salt: str = TENANT_SALT) -> Completion:

@@ -42,11 +42,11 @@ def _run_steps(s: Settings, docs: list[list[int]], chunks_per_doc: int, steps: l
         return
     cold, reference = measured
     with timed_step(steps, 3, "restart vLLM, clear the host's local tiers") as step:
-        _restart(s, chunks_per_doc, step)
+        ranks = _restart(s, chunks_per_doc, step)
     if not step.ok:
         return
     with timed_step(steps, 4, "warm round (from Ceph only)") as step:
-        warm = _warm(s, docs, cold, reference, step)
+        warm = _warm(s, docs, cold, reference, step, ranks)
     if not step.ok:
         return
     with timed_step(steps, 5, "restart, purge, cold again") as step:
@@ -62,11 +62,12 @@ def _purge(s: Settings, only: str | None) -> dict[str, int]:
         raise VerifyError(f"purging namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
 
 
-def _count(s: Settings) -> dict[str, int]:
-    from kvtier.admin.chunks import count_chunks
+def _count(s: Settings) -> dict[str, dict[str, int]]:
+    """Chunks per tier and layout (one layout per tensor-parallel rank)."""
+    from kvtier.admin.chunks import count_chunks_by_layout
 
     try:
-        return count_chunks(s.cfg, s.namespace)
+        return count_chunks_by_layout(s.cfg, s.namespace)
     except TierError as exc:
         raise VerifyError(f"listing namespace {s.namespace!r}: {exc.cause}: {exc}") from exc
 
@@ -122,17 +123,22 @@ def _cold(s: Settings, docs: list[list[int]], step: Step) -> tuple[Round, Round]
     return cold, reference
 
 
-def _restart(s: Settings, chunks_per_doc: int, step: Step) -> None:
+def _restart(s: Settings, chunks_per_doc: int, step: Step) -> int:
+    """Restart, clear the local tiers, count the bucket; the layouts in it (TP ranks)."""
     s.restart()
     warm_up(s)
     step.values["purged_local"] = _purge(s, "disk") if s.cfg.local_disk else {}
     counts = _count(s)
-    step.values["objects"] = counts
+    step.values["objects"] = {tier: sum(by_layout.values()) for tier, by_layout in counts.items()}
+    step.values["objects_by_layout"] = counts
     checks.bucket_chunks(step, counts.get("s3"), s.documents, chunks_per_doc)
-    checks.disk_tier_empty(step, counts.get("disk", 0))
+    checks.disk_tier_empty(step, sum(counts.get("disk", {}).values()))
+    return max(1, len(counts.get("s3", {})))
 
 
-def _warm(s: Settings, docs: list[list[int]], cold: Round, reference: Round, step: Step) -> Round:
+def _warm(
+    s: Settings, docs: list[list[int]], cold: Round, reference: Round, step: Step, ranks: int
+) -> Round:
     # Tenant isolation first, on the restarted server (vLLM's own cache is empty, the bucket
     # holds the first tenant's chunks): the first document under another cache_salt.
     other = run_round(s, docs[:1], rounds.OTHER_TENANT_SALT)
@@ -144,7 +150,7 @@ def _warm(s: Settings, docs: list[list[int]], cold: Round, reference: Round, ste
     checks.tenant_isolated(step, other)
     warm = run_round(s, docs)
     step.values.update(warm.summary())
-    s3_tokens = rounds.s3_tokens(warm, s.cfg.chunk_size)
+    s3_tokens = rounds.s3_tokens(warm, s.cfg.chunk_size, ranks)
     share = s3_tokens / max(1, warm.prompt_tokens)
     step.values.update(s3_served_tokens=int(s3_tokens), s3_share=round(share, 4))
     step.values["warm_cold_ttft_ratio"] = round(warm.median_ttft / cold.median_ttft, 4)
