@@ -76,6 +76,18 @@ CASES = {
         r"vllm_server_model \(vllm_model\) '~/models/no-such-model' is a path, but "
         r"/\S+/models/no-such-model/config\.json does not exist",
     ),
+    "tensor parallelism with the uni executor": (
+        {"vllm_server_tensor_parallel_size": 2, "vllm_server_distributed_executor_backend": "uni"},
+        r"vllm_server_tensor_parallel_size 2 needs vllm_server_distributed_executor_backend mp",
+    ),
+    "tensor parallelism with one core group": (
+        {
+            "vllm_server_tensor_parallel_size": 2,
+            "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+        },
+        r"one core group per rank separated by '\|' \(e\.g\. '0\|1' for 2; is '0-1'\)",
+    ),
     "LoRA adapter with a relative path": (
         {"vllm_server_lora_adapters": {"sql": "adapters/sql"}},
         r"vllm_server_lora_adapters must map names .* to absolute directories on the host",
@@ -155,3 +167,14 @@ def test_role_supports_the_connectors_vllm_version() -> None:
     constants = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
     assert defaults["vllm_server_version"] == SUPPORTED_VLLM_VERSION
     assert constants["_vllm_server_supported_version"] == SUPPORTED_VLLM_VERSION
+
+
+def test_tensor_parallelism_with_mp_and_a_core_group_per_rank_passes() -> None:
+    done = run_preflight(
+        {
+            "vllm_server_tensor_parallel_size": 2,
+            "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        }
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
