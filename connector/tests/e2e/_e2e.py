@@ -213,19 +213,19 @@ class Counters:
         after = self.server.metrics()
         return metric_sum(after, name, **labels) - metric_sum(self.before, name, **labels)
 
-    def resumed_at(self) -> int:
+    def resumed_at(self, ranks: int = 1) -> int:
         """Prompt tokens that vLLM did not compute since the snapshot: its own prefix-cache hits
-        plus what kvtier loaded (one request between the snapshots)."""
-        return int(
-            self.delta("vllm:prefix_cache_hits_total") + self.delta("kvtier:loaded_tokens_total")
-        )
+        plus what kvtier loaded (one request between the snapshots; each of ``ranks`` tensor-
+        parallel workers loads and counts every token once)."""
+        loaded = self.delta("kvtier:loaded_tokens_total") / ranks
+        return int(self.delta("vllm:prefix_cache_hits_total") + loaded)
 
 
-def assert_same_tokens(got: Any, reference: Any, counters: Counters) -> None:
+def assert_same_tokens(got: Any, reference: Any, counters: Counters, ranks: int = 1) -> None:
     """``got`` (the one request since ``counters``' snapshot) gave ``reference``'s tokens, where
     ``reference`` is a cold run of the same prompt on a server of these settings. Fails first if
     the two were not computed along the same steps (the module docstring says why)."""
-    resumed = counters.resumed_at()
+    resumed = counters.resumed_at(ranks)
     assert prompt_resumed_at_a_step_boundary(resumed), (
         f"not comparable on every CPU: the request resumed its prefill at token {resumed}, "
         f"which is not a step boundary of a cold prefill ({BATCH_BUDGET} tokens per step)"

