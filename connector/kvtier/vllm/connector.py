@@ -242,6 +242,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         namespace = params.get(REQUEST_NAMESPACE_PARAM)
         if namespace == self.cfg.namespace:
             namespace = None
+        # The prompt and its identity are read once per request (the scheduler keeps its keys).
+        prompt: list[int] = []
         extras: list[bytes] | None = None
         if not self._scheduler.knows(request.request_id):
             try:
@@ -253,12 +255,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                         f"{self.cfg.source}",
                     )
                 extras = self._identity.chunk_extras(request)
+                prompt = self._identity.prompt(request)
             except Uncacheable as exc:
                 self._serve_uncached(self._scheduler, request.request_id, exc)
                 return 0, False
         n = self._scheduler.num_new_matched_tokens(
             request.request_id,
-            self._identity.prompt(request),
+            prompt,
             num_computed_tokens,
             namespace,
             extras,
