@@ -13,8 +13,10 @@ computations are the same by construction:
 
 - every server here prefills at most ``BATCH_BUDGET`` = ``CHUNK`` tokens per step, so a cold
   run's steps start at every multiple of the chunk size;
-- kvtier loads whole chunks (``save_unfull_chunk`` off), and when a chunk fails vLLM recomputes
-  from that chunk's first token: a warm run resumes at a multiple of the chunk size, reads there
+- kvtier loads whole chunks (``save_unfull_chunk`` off) of prompts one token longer than a
+  whole number of chunks (vLLM computes at least a prompt's last token: of a prompt of exactly
+  n chunks it loads n - 1 and a half), and when a chunk fails vLLM recomputes from that chunk's
+  first token: a warm run resumes at a multiple of the chunk size, reads there
   the very bytes the cold run computed (checksummed), and computes every later step with the
   same tokens, positions and batch shape as the cold run did;
 - `assert_same_tokens` checks that precondition from the request's counters (the tokens vLLM's

@@ -25,7 +25,10 @@ from _e2e import (
 
 from kvtier.keys import chunk_hashes
 
-DOC = 4096
+#: 16 whole chunks and a token: a load ends on a chunk boundary, hence on a prefill step boundary
+#: of the cold run (_e2e.py; a prompt of exactly 16 chunks loads 15.5 of them: vLLM computes at
+#: least its last token, here the last 128-token block).
+DOC = 16 * CHUNK + 1
 FS_MIB = 24
 
 

@@ -68,10 +68,12 @@ def server(servers: Servers, s3_target: S3Target, e2e_root: Path) -> VllmServer:
     return srv
 
 
-def ask(server: VllmServer, doc: list[int], model: str | None = None, **body: Any) -> Completion:
+def ask(server: VllmServer, doc: list[int], identity: dict[str, Any]) -> Completion:
+    """``identity``: the request's ``model`` (an adapter) and ``cache_salt``, if any."""
+    body = {k: v for k, v in identity.items() if k != "model"}
     return stream_completion(
         server.base_url,
-        model or server.served_model_name,
+        identity.get("model") or server.served_model_name,
         doc,
         OUTPUT_TOKENS,
         extra_body=body or None,
@@ -83,47 +85,47 @@ def restart(server: VllmServer) -> None:
     server.complete(prompt(64, seed=94), max_tokens=4)
 
 
-def stored(s3_target: S3Target, chunks: int) -> None:
-    assert s3_target.wait_for_chunks(chunks) == chunks
+def _isolated(
+    server: VllmServer,
+    s3_target: S3Target,
+    doc: list[int],
+    owner: dict[str, Any],
+    others: list[dict[str, Any]],
+) -> tuple[Completion, list[Completion]]:
+    """``doc`` stored under ``owner``'s identity; each of ``others`` after a restart: nothing
+    from kvtier; ``owner`` again after a restart: hits, its cold tokens. The owner's cold
+    output and the others' outputs."""
+    before = s3_target.chunks()
+    cold = ask(server, doc, owner)
+    wanted = before + len(doc) // CHUNK
+    assert s3_target.wait_for_chunks(wanted) == wanted
+    outputs = []
+    for identity in others:
+        restart(server)
+        c = Counters(server)
+        outputs.append(ask(server, doc, identity))
+        hits = c.delta("vllm:external_prefix_cache_hits_total")
+        assert hits == 0, (identity, hits, server.log_tail())
+        assert c.delta("kvtier:hit_tokens_total") == 0
+    restart(server)
+    c = Counters(server)
+    again = ask(server, doc, owner)
+    assert c.delta("vllm:external_prefix_cache_hits_total") >= 0.9 * len(doc), server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    assert_same_tokens(again, cold, c)
+    return cold, outputs
 
 
 def test_a_tenant_never_loads_another_tenants_chunks(
     server: VllmServer, s3_target: S3Target
 ) -> None:
-    before = s3_target.chunks()
-    cold_a = ask(server, SALTED, cache_salt="tenant-a")
-    stored(s3_target, before + len(SALTED) // CHUNK)
-    for salt in ("tenant-b", None):
-        restart(server)
-        c = Counters(server)
-        out = ask(server, SALTED, **({"cache_salt": salt} if salt else {}))
-        assert c.delta("vllm:external_prefix_cache_hits_total") == 0, (salt, server.log_tail())
-        assert c.delta("kvtier:hit_tokens_total") == 0
-        assert len(out.token_ids) == OUTPUT_TOKENS
-    restart(server)
-    c = Counters(server)
-    again = ask(server, SALTED, cache_salt="tenant-a")
-    assert c.delta("vllm:external_prefix_cache_hits_total") >= 0.9 * len(SALTED)
-    assert c.delta("kvtier:load_failed_tokens_total") == 0
-    assert_same_tokens(again, cold_a, c)
+    _isolated(server, s3_target, SALTED, {"cache_salt": "tenant-a"}, [{"cache_salt": "b"}, {}])
 
 
 def test_a_lora_adapter_never_loads_another_adapters_chunks(
     server: VllmServer, s3_target: S3Target
 ) -> None:
-    before = s3_target.chunks()
-    cold_a = ask(server, ADAPTED, model="a")
-    stored(s3_target, before + len(ADAPTED) // CHUNK)
-    for model in ("b", None):
-        restart(server)
-        c = Counters(server)
-        out = ask(server, ADAPTED, model=model)
-        assert c.delta("vllm:external_prefix_cache_hits_total") == 0, (model, server.log_tail())
-        assert c.delta("kvtier:hit_tokens_total") == 0
-        assert out.token_ids != cold_a.token_ids  # the adapter changes what the model says
-    restart(server)
-    c = Counters(server)
-    again = ask(server, ADAPTED, model="a")
-    assert c.delta("vllm:external_prefix_cache_hits_total") >= 0.9 * len(ADAPTED)
-    assert_same_tokens(again, cold_a, c)
+    cold_a, others = _isolated(server, s3_target, ADAPTED, {"model": "a"}, [{"model": "b"}, {}])
+    for out in others:  # the adapter changes what the model says
+        assert out.token_ids != cold_a.token_ids
     assert "Traceback" not in server.log_text()
