@@ -48,7 +48,6 @@ def _serve(s: SchedulerSide, req_id: str, prompt: list[int]) -> int | None:
     blocks = list(range(-(-len(prompt) // BLOCK)))
     s.on_scheduled(
         req_id,
-        prompt=prompt,
         block_ids=blocks,
         replace_blocks=True,
         num_computed_tokens=0,

@@ -35,6 +35,20 @@ def make(found: Sequence[str] = (), save_unfull: bool = False) -> SchedulerSide:
     )
 
 
+def _first_step(
+    s: SchedulerSide, req_id: str, blocks: Sequence[int], *, computed: int, scheduled: int
+) -> None:
+    """The step that schedules a request first: its blocks, what vLLM computed before it (its
+    prefix cache, loads), what the step computes."""
+    s.on_scheduled(
+        req_id,
+        block_ids=blocks,
+        replace_blocks=True,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=scheduled,
+    )
+
+
 def test_never_offers_the_whole_prompt() -> None:
     prompt = list(range(512))  # exactly two chunks, both stored
     s = make(chunk_hashes(prompt, CHUNK))
@@ -52,7 +66,6 @@ def test_chunked_prefill_saves_each_chunk_when_its_last_token_is_computed() -> N
     for step, size in enumerate((300, 300, 300, 100)):
         s.on_scheduled(
             "r",
-            prompt=prompt if step == 0 else None,
             block_ids=blocks if step == 0 else None,
             replace_blocks=step == 0,
             num_computed_tokens=computed,
@@ -71,14 +84,7 @@ def test_partial_chunk_not_saved_by_default() -> None:
     prompt = list(range(1000))
     s = make()
     s.num_new_matched_tokens("r", prompt, 0)
-    s.on_scheduled(
-        "r",
-        prompt=prompt,
-        block_ids=list(range(8)),
-        replace_blocks=True,
-        num_computed_tokens=0,
-        num_scheduled_tokens=1000,
-    )
+    _first_step(s, "r", list(range(8)), computed=0, scheduled=1000)
     assert [sp.num_tokens for sp in s.take_plan().saves] == [256, 256, 256]
 
 
@@ -89,14 +95,7 @@ def test_load_plan_skips_locally_cached_blocks_and_does_not_resave() -> None:
     # vLLM's own prefix cache already holds the first block (128 tokens).
     assert s.num_new_matched_tokens("r", prompt, 128) == 768 - 128
     s.after_alloc("r", 640)
-    s.on_scheduled(
-        "r",
-        prompt=prompt,
-        block_ids=list(range(100, 108)),
-        replace_blocks=True,
-        num_computed_tokens=768,
-        num_scheduled_tokens=232,
-    )
+    _first_step(s, "r", list(range(100, 108)), computed=768, scheduled=232)
     plan = s.take_plan()
     assert [(ld.chunk_hash, ld.first, ld.block_ids) for ld in plan.loads] == [
         (hashes[0], 1, (101,)),
@@ -136,14 +135,7 @@ def test_request_namespace_prefixes_every_chunk_id() -> None:
     assert s.num_new_matched_tokens("r", prompt, 0, "verify") == 512
     fresh = make()
     fresh.num_new_matched_tokens("n", prompt, 0, "verify")
-    fresh.on_scheduled(
-        "n",
-        prompt=prompt,
-        block_ids=list(range(5)),
-        replace_blocks=True,
-        num_computed_tokens=0,
-        num_scheduled_tokens=600,
-    )
+    _first_step(fresh, "n", list(range(5)), computed=0, scheduled=600)
     assert [sv.chunk_hash for sv in fresh.take_plan().saves] == stored
 
 
@@ -153,30 +145,15 @@ def test_bypassed_request_is_neither_loaded_nor_saved() -> None:
     s.bypass("r", "unknown_extra_key")
     assert s.num_new_matched_tokens("r", prompt, 0) == 0
     assert s.counters.take()["uncached_requests.unknown_extra_key"] == 1
-    s.on_scheduled(
-        "r",
-        prompt=prompt,
-        block_ids=list(range(5)),
-        replace_blocks=True,
-        num_computed_tokens=0,
-        num_scheduled_tokens=600,
-    )
+    _first_step(s, "r", list(range(5)), computed=0, scheduled=600)
     plan = s.take_plan()
     assert not plan.loads and not plan.saves
 
 
 def test_a_request_never_looked_up_is_never_saved() -> None:
     """Its identity beyond the tokens was never keyed: no save under a tokens-only key."""
-    prompt = list(range(600))
     s = make()
-    s.on_scheduled(
-        "r",
-        prompt=prompt,
-        block_ids=list(range(5)),
-        replace_blocks=True,
-        num_computed_tokens=0,
-        num_scheduled_tokens=600,
-    )
+    _first_step(s, "r", list(range(5)), computed=0, scheduled=600)
     assert not s.take_plan().saves
 
 
@@ -186,14 +163,7 @@ def test_extra_keys_give_other_chunk_keys_from_the_first_differing_chunk() -> No
     s.num_new_matched_tokens("plain", prompt, 0)
     s.num_new_matched_tokens("salted", prompt, 0, extras=[b"salt", b""])
     for name in ("plain", "salted"):
-        s.on_scheduled(
-            name,
-            prompt=prompt,
-            block_ids=list(range(5)),
-            replace_blocks=True,
-            num_computed_tokens=0,
-            num_scheduled_tokens=600,
-        )
+        _first_step(s, name, list(range(5)), computed=0, scheduled=600)
     keys = {}
     for spec in s.take_plan().saves:
         keys.setdefault(spec.req_id, []).append(spec.chunk_hash)
@@ -255,7 +225,6 @@ def _scheduler(runs: int, remote: RemotePrefix | None = None) -> SchedulerSide:
 def _step(s: SchedulerSide, prompt: list[int], computed: int, scheduled: int) -> None:
     s.on_scheduled(
         "r",
-        prompt=prompt if computed == 0 else None,
         block_ids=list(range(len(prompt) // BLOCK + 1)) if computed == 0 else None,
         replace_blocks=computed == 0,
         num_computed_tokens=computed,
@@ -341,20 +310,12 @@ def test_a_chunk_whose_load_failed_is_saved_again_as_it_is_recomputed() -> None:
     assert s.num_new_matched_tokens("r", prompt, 0) == 768
     s.after_alloc("r", 768)
     blocks = list(range(100, 108))
-    s.on_scheduled(
-        "r",
-        prompt=prompt,
-        block_ids=blocks,
-        replace_blocks=True,
-        num_computed_tokens=768,
-        num_scheduled_tokens=232,
-    )
+    _first_step(s, "r", blocks, computed=768, scheduled=232)
     assert not s.take_plan().saves  # stored already
     s.loads_failed({blocks[2]})  # chunk 1's first block
     # vLLM recomputes from chunk 1 (token 256) on: chunks 1 and 2 are saved again.
     s.on_scheduled(
         "r",
-        prompt=None,
         block_ids=None,
         replace_blocks=False,
         num_computed_tokens=256,

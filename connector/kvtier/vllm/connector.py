@@ -312,7 +312,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for new in scheduler_output.scheduled_new_reqs:
             sched.on_scheduled(
                 new.req_id,
-                prompt=new.prompt_token_ids or [],
                 block_ids=new.block_ids[0],
                 replace_blocks=True,
                 num_computed_tokens=new.num_computed_tokens,
@@ -323,7 +322,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             new_blocks = cached.new_block_ids[i]
             sched.on_scheduled(
                 req_id,
-                prompt=None,
                 block_ids=new_blocks[0] if new_blocks is not None else None,
                 replace_blocks=req_id in cached.resumed_req_ids,
                 num_computed_tokens=cached.num_computed_tokens[i],

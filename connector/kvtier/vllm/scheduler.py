@@ -332,7 +332,8 @@ class SchedulerSide:
 
     def bypass(self, req_id: str, reason: str) -> None:
         """Serve the request without kvtier: nothing looked up, loaded or saved; counted."""
-        if self._reqs.get(req_id, _Request(0, [])).enabled:
+        st = self._reqs.get(req_id)
+        if st is None or st.enabled:  # counted once per request
             self.counters.uncached[reason] = self.counters.uncached.get(reason, 0) + 1
         self._reqs[req_id] = _Request(prompt_len=0, hashes=[], enabled=False)
 
@@ -395,7 +396,6 @@ class SchedulerSide:
         self,
         req_id: str,
         *,
-        prompt: Sequence[int] | None,
         block_ids: Sequence[int] | None,
         replace_blocks: bool,
         num_computed_tokens: int,
