@@ -41,18 +41,14 @@ def chunks_held(tier: Tier, keys: list[str]) -> int:
 
 
 def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:
-    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``); on S3
-    several chunks may share an object (kvtier.format).
+    """Chunks stored under ``namespace`` per persistent tier (``{"disk": n, "s3": m}``), every
+    layout together (`count_chunks_by_layout`); on S3 several chunks may share an object
+    (kvtier.format).
 
     Raises `TierError` when a tier cannot be listed.
     """
-    counts: dict[str, int] = {}
-    for tier in persistent_tiers(cfg, only):
-        try:
-            counts[tier.name] = chunks_held(tier, [k for k, _ in tier.list_keys(f"{namespace}/")])
-        finally:
-            tier.close()
-    return counts
+    by_layout = count_chunks_by_layout(cfg, namespace, only)
+    return {tier: sum(layouts.values()) for tier, layouts in by_layout.items()}
 
 
 def count_chunks_by_layout(

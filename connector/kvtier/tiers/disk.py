@@ -95,10 +95,8 @@ class DiskTier(Tier):
         rel = os.path.relpath(path, self.root).split(os.sep)
         return str(ChunkKey(rel[0], rel[1], rel[3][: -len(_SUFFIX)]))
 
-    def _is_peers(self, path: str) -> bool:
-        return (
-            bool(self._peers) and os.path.relpath(path, self.root).split(os.sep)[1] in self._peers
-        )
+    def _is_peers(self, key: str) -> bool:
+        return bool(self._peers) and ChunkKey.parse(key).fingerprint in self._peers
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, str, int]] = []
@@ -111,13 +109,14 @@ class DiskTier(Tier):
                     continue
                 if not fname.endswith(_SUFFIX) or path.count(os.sep) - self.root.count(os.sep) != 4:
                     continue
-                if self._is_peers(path):
+                key = self._key(path)
+                if self._is_peers(key):
                     continue
                 try:
                     st = os.stat(path)
                 except FileNotFoundError:
                     continue
-                found.append((st.st_mtime, self._key(path), st.st_size))
+                found.append((st.st_mtime, key, st.st_size))
         found.sort()
         with self._lock:
             for _, key, size in found:
@@ -189,7 +188,7 @@ class DiskTier(Tier):
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-            elif not self._is_peers(path):  # written by another process sharing the directory
+            elif not self._is_peers(key):  # written by another process sharing the directory
                 self._index[key] = len(header) + len(payload)
                 self._used += len(header) + len(payload)
         # evicted meanwhile or read-only: the LRU order is only a hint
