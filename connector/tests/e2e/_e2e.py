@@ -40,6 +40,7 @@ from typing import Any
 
 from kvtier.config import load_config
 from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
+from kvtier.verify.settings import Settings
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
@@ -242,3 +243,31 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
+
+
+#: The request namespace `kvtier verify` runs in (listed in the servers' request_namespaces).
+VERIFY_NAMESPACE = "kvtier-verify"
+
+
+def verify_settings(server: VllmServer, values: dict[str, Any], **overrides: Any) -> Settings:
+    """What `kvtier verify` (the kv_verify role) is given, against ``server`` running with the
+    kvtier config ``values``; ``overrides`` replace any field."""
+    settings: dict[str, Any] = {
+        "server_url": server.base_url,
+        "model": server.served_model_name,
+        "api_key": None,
+        "cfg": load_config(values),
+        "namespace": VERIFY_NAMESPACE,
+        # the role's default length: at 2048 tokens the tiny model's prefill is as fast as a
+        # load from S3 on 2 cores (measured warm/cold 1.01), at 8192 it is 3-10x slower
+        "documents": 2,
+        "document_tokens": 8192,
+        "output_tokens": OUTPUT_TOKENS,
+        "seed": 7,
+        "restart": server.restart,
+        "health_timeout": 240.0,
+        "max_warm_cold_ratio": 0.6,
+        "min_s3_share": 0.9,
+    }
+    settings.update(overrides)
+    return Settings(**settings)

@@ -24,18 +24,18 @@ import pytest
 from _e2e import (
     CHUNK,
     OUTPUT_TOKENS,
+    VERIFY_NAMESPACE,
     Counters,
     S3Target,
     Servers,
     assert_same_tokens,
     prompt,
+    verify_settings,
 )
 
-from kvtier.config import load_config
 from kvtier.keys import ChunkKey, chunk_hashes
 from kvtier.verify.checks import Step
 from kvtier.verify.report import first_failure
-from kvtier.verify.settings import Settings
 from kvtier.verify.steps import run
 from kvtier.vllm.server import VllmServer
 
@@ -44,7 +44,6 @@ DOCS = [prompt(16 * CHUNK + 1, seed=500 + i) for i in range(3)]
 CHUNKS = len(DOCS[0]) // CHUNK  # per rank and document
 TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 TP_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
-VERIFY_NAMESPACE = "kvtier-verify"
 
 
 @pytest.fixture(scope="module")
@@ -141,21 +140,7 @@ def test_kvtier_verify_passes_against_the_tp2_server(
     for key, value in s3_target.env.items():
         monkeypatch.setenv(key, value)
     server: VllmServer = tp["server"]
-    settings = Settings(
-        server_url=server.base_url,
-        model=server.served_model_name,
-        api_key=None,
-        cfg=load_config(tp["values"]),
-        namespace=VERIFY_NAMESPACE,
-        documents=1,
-        document_tokens=8192,
-        output_tokens=OUTPUT_TOKENS,
-        seed=8,
-        restart=server.restart,
-        health_timeout=240.0,
-        max_warm_cold_ratio=0.6,
-        min_s3_share=0.9,
-    )
+    settings = verify_settings(server, tp["values"], documents=1, seed=8)
     steps: list[Step] = []
     run(settings, steps)
     assert first_failure(steps) is None, (first_failure(steps), server.log_tail())

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _e2e import OUTPUT_TOKENS, S3Target, Servers, prompt
+from _e2e import VERIFY_NAMESPACE, S3Target, Servers, prompt, verify_settings
 
 from kvtier.admin.chunks import count_chunks
 from kvtier.config import load_config
@@ -19,8 +19,6 @@ from kvtier.verify.settings import Settings
 from kvtier.verify.steps import run
 from kvtier.vllm.server import VllmServer
 
-NAMESPACE = "kvtier-verify"
-
 
 @pytest.fixture(scope="module")
 def stack(servers: Servers, s3_target: S3Target, e2e_root: Path) -> dict[str, Any]:
@@ -29,33 +27,14 @@ def stack(servers: Servers, s3_target: S3Target, e2e_root: Path) -> dict[str, An
         max_local_cpu_size=1.0,
         local_disk=str(e2e_root / "verify-disk"),
         max_local_disk_size=1.0,
-        request_namespaces=[NAMESPACE],
+        request_namespaces=[VERIFY_NAMESPACE],
     )
     server = servers.make("verify", values, env=s3_target.env)
     return {"server": server, "values": values}
 
 
 def _settings(stack: dict[str, Any], **overrides: Any) -> Settings:
-    server: VllmServer = stack["server"]
-    values: dict[str, Any] = {
-        "server_url": server.base_url,
-        "model": server.served_model_name,
-        "api_key": None,
-        "cfg": load_config(stack["values"]),
-        "namespace": NAMESPACE,
-        # the role's default length: at 2048 tokens the tiny model's prefill is as fast as a
-        # load from S3 on 2 cores (measured warm/cold 1.01), at 8192 it is 3-10x slower
-        "documents": 2,
-        "document_tokens": 8192,
-        "output_tokens": OUTPUT_TOKENS,
-        "seed": 7,
-        "restart": server.restart,
-        "health_timeout": 240.0,
-        "max_warm_cold_ratio": 0.6,
-        "min_s3_share": 0.9,
-    }
-    values.update(overrides)
-    return Settings(**values)
+    return verify_settings(stack["server"], stack["values"], **overrides)
 
 
 def test_healthy_stack_passes_every_step_and_leaves_production_alone(
@@ -85,7 +64,7 @@ def test_healthy_stack_passes_every_step_and_leaves_production_alone(
     assert by_number[4].values["warm_cold_ttft_ratio"] <= 0.6
     assert "PASSED" in markdown(doc, "test-host").splitlines()[0]
     # the verification namespace is gone, production's chunks are all still there
-    assert count_chunks(cfg, NAMESPACE) == {"disk": 0, "s3": 0}
+    assert count_chunks(cfg, VERIFY_NAMESPACE) == {"disk": 0, "s3": 0}
     assert count_chunks(cfg, cfg.namespace) == production
 
 
@@ -105,4 +84,4 @@ def test_unmet_threshold_names_step_expected_and_measured(
     doc = report(s, steps, None)
     assert not doc["ok"] and doc["failure"] == failure
     assert "**FAILED**" in markdown(doc, "test-host")
-    assert count_chunks(load_config(stack["values"]), NAMESPACE) == {"disk": 0, "s3": 0}
+    assert count_chunks(load_config(stack["values"]), VERIFY_NAMESPACE) == {"disk": 0, "s3": 0}
