@@ -88,6 +88,11 @@ class S3Target:
             "endpoint_url": self.endpoint_url,
             "aws_profile": self.profile,
             "extra_config": {"s3_region": self.region},
+            # Tests assert hits, not how fast a lookup answers: on two busy cores (TP 2, the
+            # first lookup of a restarted server) RGW can take longer than the default 0.1 s,
+            # and the request then goes on without the remote tier (seen in CI). The outage
+            # tests set their own.
+            "lookup_timeout_secs": 5.0,
         }
         values.update(extra)
         return values
