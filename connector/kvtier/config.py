@@ -197,6 +197,15 @@ class KvtierConfig(BaseModel):
     #: Payload bytes (GiB) of background writes (disk, S3) allowed to wait in memory; a write
     #: beyond it is skipped and counted (``dropped_writes``), never waited for.
     max_write_backlog_size: float = Field(default=1.0, gt=0)
+    #: Pinned host memory (GiB) for the saves of a CUDA worker: each chunk saved is copied
+    #: from the GPU into a slot of it, which stays held until the tiers have written it.
+    #: ``null``: two steps' worth of chunks (vLLM's max_num_batched_tokens, twice), so a step
+    #: never waits for a slot while the tiers keep up. Unused on the CPU build.
+    save_buffer_size: float | None = Field(default=None, gt=0)
+    #: Seconds vLLM's thread may wait in a step for a pinned save slot to come free; beyond,
+    #: the rest of that request's chunks of the step are not saved (counted:
+    #: ``kvtier:save_dropped_chunks_total``). A save never holds a step up longer.
+    save_wait_secs: float = Field(default=0.005, ge=0)
     #: TEST-ONLY switch: ``false`` skips payload checksum verification on read, so a negative
     #: control can show that corrupted data would otherwise reach the model. Never turn off
     #: in production.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvtier.config import KvtierConfig
 from kvtier.format import (
@@ -58,6 +58,29 @@ def _hash_bytes(chunk_id: str) -> bytes:
 def _put_ok(tier: Tier, items: Sequence[tuple[str, Stored]]) -> bool:
     tier.put_chunks(items)
     return True
+
+
+class _Latch:
+    """Calls ``on_done`` once every write added has ended and `arm` was called (the writes
+    of one `TieredStore.put_run`, which lent its payloads)."""
+
+    def __init__(self, on_done: Callable[[], None] | None) -> None:
+        self._on_done = on_done
+        self._pending = 1  # the put_run itself, until arm()
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self._pending += 1
+
+    def done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last and self._on_done is not None:
+            self._on_done()
+
+    arm = done
 
 
 @dataclass(frozen=True)
@@ -355,30 +378,48 @@ class TieredStore:
         """Store a chunk: CPU tier now, slower tiers in the background. Never raises on I/O."""
         self.put_run([(chunk_hash, payload, num_tokens)])
 
-    def put_run(self, chunks: Sequence[tuple[str, bytes | memoryview, int]]) -> None:
+    def put_run(
+        self,
+        chunks: Sequence[tuple[str, bytes | memoryview, int]],
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         """Store consecutive chunks of one prompt, each (hash, payload, tokens): every tier but
         the remote one as chunks; the remote tier as one object keyed by the first chunk.
-        Never raises on I/O."""
+        Never raises on I/O.
+
+        A payload given as a view is lent: with ``on_done`` the background writes (disk, S3)
+        read the view itself, and ``on_done`` is called once the last of them has ended
+        (written, failed or dropped), after which the buffer may be reused; the CPU tier,
+        which keeps what it holds, takes a copy. Without ``on_done`` a view is copied once,
+        here, for every tier."""
         if not chunks:
+            if on_done is not None:
+                on_done()
             return
+        lent = on_done is not None
         items: list[tuple[str, Stored]] = []
         for chunk_hash, data, num_tokens in chunks:
-            # a view of a buffer the caller will reuse: copied once, here
-            payload = data if isinstance(data, bytes) else bytes(data)
+            # A view of a buffer the caller reuses is copied once, here; a lent view goes to
+            # the writers as it is (they only read it: os.writev, a PUT body's reader), typed
+            # as the bytes it stands for.
+            payload = cast(bytes, data) if lent and not isinstance(data, bytes) else bytes(data)
             header = pack_header(self._layout, _hash_bytes(chunk_hash), num_tokens, payload)
             items.append((self.key(chunk_hash), (header, payload)))
         with self._lock:
             self._stats.puts += len(items)
             self._stats.put_bytes += sum(len(item[1]) for _, item in items)
+        latch = _Latch(on_done)
         for tier in self.tiers:
             if tier.remote:
-                self._write_async(tier, items)
+                self._write_async(tier, items, latch)
             elif tier.name == "cpu":
-                for one in items:
-                    self._write(tier, [one])
+                for key, (header, payload) in items:
+                    kept = payload if isinstance(payload, bytes) else bytes(payload)
+                    self._write(tier, [(key, (header, kept))])
             else:
                 for one in items:
-                    self._write_async(tier, [one])
+                    self._write_async(tier, [one], latch)
+        latch.arm()
 
     def _write(self, tier: Tier, items: Sequence[tuple[str, Stored]]) -> None:
         start = time.perf_counter()
@@ -392,13 +433,29 @@ class TieredStore:
                 ts.puts += len(items)
                 ts.bytes_written += sum(len(h) + len(p) for _, (h, p) in items)
 
-    def _write_async(self, tier: Tier, items: Sequence[tuple[str, Stored]]) -> None:
+    def _write_async(
+        self, tier: Tier, items: Sequence[tuple[str, Stored]], latch: _Latch | None = None
+    ) -> None:
         size = sum(len(h) + len(p) for _, (h, p) in items)
-        if not self._writer.submit(size, partial(self._write, tier, items)):
+        if latch is not None:
+            latch.add()
+        write = partial(self._write_then, tier, items, latch)
+        if not self._writer.submit(size, write):
+            if latch is not None:
+                latch.done()
             with self._lock:  # over the caps (or closing): skipped and counted, never waited for
                 self._stats.dropped_writes += len(items)
                 errs = self._stats.tiers[tier.name].errors
                 errs["backpressure"] = errs.get("backpressure", 0) + len(items)
+
+    def _write_then(
+        self, tier: Tier, items: Sequence[tuple[str, Stored]], latch: _Latch | None
+    ) -> None:
+        try:
+            self._write(tier, items)
+        finally:
+            if latch is not None:
+                latch.done()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background writes are done; ``False`` if ``timeout`` passed first."""

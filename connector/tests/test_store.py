@@ -221,3 +221,36 @@ def test_tier_fill_is_reported_whole_first_then_by_change(tmp_path: Path) -> Non
         lookups_only = store_deltas(start, now, include_fill=False)
         assert not [k for k in lookups_only if k.rpartition(".")[2] in FILL_FIELDS]
         assert lookups_only["tier.disk.puts"] == 3
+
+
+def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path) -> None:
+    """A save slot lent to the store (kvtier.vllm.worker): the CPU tier keeps its own copy, the
+    disk tier writes from the view, and `on_done` comes once the writes have ended; the
+    buffer may then be reused without changing what the tiers hold."""
+    data = chunks(2)
+    slot = bytearray(b"".join(p for _, p in data))
+    size = len(data[0][1])
+    given_back: list[bool] = []
+    with _store(tmp_path) as store:
+        views = [memoryview(slot)[i * size : (i + 1) * size] for i in range(2)]
+        store.put_run(
+            [(h, v, 256) for (h, _), v in zip(data, views, strict=True)],
+            on_done=lambda: given_back.append(True),
+        )
+        assert store.flush(10)
+        assert given_back == [True]
+        slot[:] = bytes(len(slot))  # the slot is reused
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data]  # the CPU copies
+        store.tiers[0].delete(store.key(data[0][0]))
+        assert store.get(data[0][0]) == data[0][1]  # the disk tier's, written from the view
+
+
+def test_a_lent_view_comes_back_when_its_write_is_dropped(tmp_path: Path) -> None:
+    data = chunks(1)
+    given_back: list[bool] = []
+    with _store(tmp_path, max_backlog_bytes=1) as store:  # every background write is refused
+        store.put_run(
+            [(data[0][0], memoryview(bytearray(data[0][1])), 256)],
+            on_done=lambda: given_back.append(True),
+        )
+        assert given_back == [True] and store.stats().dropped_writes == 1

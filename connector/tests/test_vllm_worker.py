@@ -1,35 +1,85 @@
-"""The worker side's loads without vLLM or torch: a copier that records what it writes and a
-store whose reads can be held back stand in for the KV cache and the tiers. Loads the forward
-pass waits for end before `load` returns; loads in the background (vLLM's asynchronous load)
-end later, in a thread, and each request is reported once, with the blocks that failed."""
+"""The worker side without vLLM or torch: a copier that records what it writes, and lends
+save buffers whose device copy can be held back (a stand-in for the CUDA copier's pinned
+slots), and a store whose reads can be held back stand in for the KV cache and the tiers.
+
+- Loads the forward pass waits for end before `load` returns; loads in the background (vLLM's
+  asynchronous load) end later, in a thread, ordered after the fence vLLM's thread took, and
+  each request is reported once (only after its writes have landed), with its failed blocks.
+- Saves: `save` (vLLM's thread) only queues the copies and returns; the save thread waits for
+  them and hands runs to the store; a buffer goes back once the store is done with it; with
+  no buffer free, a request's chunks of the step are dropped and counted, never waited for
+  beyond save_wait_secs; a load of a chunk still being saved waits for its save.
+The CUDA side of these orderings runs on a GPU (connector/tests/cuda)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.stats import StoreStats
 from kvtier.store import ChunkRef
+from kvtier.vllm.copier import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
-from kvtier.vllm.plan import LoadSpec
+from kvtier.vllm.plan import LoadSpec, SaveSpec
 from kvtier.vllm.worker import WorkerSide
 
 PAYLOAD = b"k" * 64
 
 
+class Lent(HostBuffer):
+    """A save buffer whose device copy lands when `landed` is set."""
+
+    def __init__(self, copier: Copier) -> None:
+        self.landed = threading.Event()
+        if not copier.hold:
+            self.landed.set()
+        super().__init__(memoryview(bytearray(PAYLOAD)), on_release=self._back)
+        self.copier = copier
+
+    def wait(self) -> None:
+        assert self.landed.wait(10)
+
+    def _back(self) -> None:
+        with self.copier.cond:
+            self.copier.lent -= 1
+            self.copier.cond.notify_all()
+
+
 class Copier:
-    def __init__(self) -> None:
+    def __init__(self, slots: int = 8) -> None:
         self.written: list[tuple[int, ...]] = []
+        self.scatter_calls: list[dict[str, Any]] = []
+        self.slots, self.lent = slots, 0
+        self.cond = threading.Condition()
+        self.bufs: list[Lent] = []
+        self.fences = 0
+        self.hold = False  # save buffers' copies land only when a test sets them
 
     def gather(self, block_ids: Sequence[int]) -> bytes:
         return PAYLOAD
 
+    def gather_to_host(self, block_ids: Sequence[int], wait_secs: float | None = None) -> Lent:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.lent < self.slots, wait_secs):
+                raise SlotsBusy("no slot")
+            self.lent += 1
+        buf = Lent(self)
+        self.bufs.append(buf)
+        return buf
+
+    def fence(self) -> str:
+        self.fences += 1
+        return f"fence-{self.fences}"
+
     def scatter(self, payload: Any, stored_blocks: int, first: int, block_ids: Any) -> None:
         pass
 
-    def scatter_many(self, items: Sequence[tuple[Any, int, int, Sequence[int]]]) -> None:
+    def scatter_many(
+        self, items: Sequence[tuple[Any, int, int, Sequence[int]]], **kwargs: Any
+    ) -> None:
+        self.scatter_calls.append(kwargs)
         self.written.extend(tuple(ids) for _, _, _, ids in items)
 
     def check_payload(self, payload: bytes, stored_blocks: int) -> None:
@@ -52,8 +102,17 @@ class Store:
         self.asked.append(wanted)
         return [self.held.get(r.chunk_id) for r in wanted]
 
-    def put_run(self, chunks: Sequence[tuple[str, bytes | memoryview, int]]) -> None:
-        pass
+    put: list[tuple[str, bytes]]
+    on_done: list[Callable[[], None]]
+
+    def put_run(
+        self,
+        chunks: Sequence[tuple[str, bytes | memoryview, int]],
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        self.__dict__.setdefault("put", []).extend((h, bytes(p)) for h, p, _ in chunks)
+        if on_done is not None:  # the tiers' writes end when the test says so
+            self.__dict__.setdefault("on_done", []).append(on_done)
 
     def stats(self) -> StoreStats:
         return StoreStats()
@@ -89,6 +148,8 @@ def test_foreground_loads_are_in_their_blocks_when_load_returns() -> None:
     worker.load([_spec("r", 0, False), _spec("r", 1, False)])
     assert copier.written == [(0, 1), (2, 3)]
     assert store.asked[0] == [ChunkRef("c0", "c0", 0), ChunkRef("c1", "c0", 1)]
+    # Ordered on the compute stream (no fence, no host wait).
+    assert copier.scatter_calls[-1] == {"after": None, "wait": False}
     assert worker.take_finished() == set() and worker.take_failed_blocks() == set()
     worker.close(1)
 
@@ -104,6 +165,8 @@ def test_background_loads_end_later_and_are_reported_once() -> None:
     store.release.set()
     assert _finished(worker) == {"r"}
     assert copier.written == [(0, 1), (2, 3)]
+    # Written in the loading thread after the fence vLLM's thread took, and waited for there.
+    assert copier.scatter_calls[-1] == {"after": "fence-1", "wait": True}
     assert worker.take_finished() == set() and worker.take_failed_blocks() == set()
     stats = worker.take_stats()
     assert stats["loaded_chunks"] == 2 and stats["loaded_tokens"] == 64
@@ -158,3 +221,75 @@ def test_loads_fail_at_once_while_four_fetches_hang() -> None:
     assert worker.take_stats()["load_timeouts"] == 5
     store.release.set()
     worker.close(5)
+
+
+def _save(req: str, k: int) -> SaveSpec:
+    return SaveSpec(req_id=req, chunk_hash=f"s{k}", block_ids=(2 * k, 2 * k + 1), num_tokens=32)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_a_save_returns_before_its_copies_land_and_lends_its_buffers_until_written() -> None:
+    copier, store = Copier(), Store({})
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    copier.hold = True  # the device -> host copies are still in flight
+    started = time.monotonic()
+    worker.save([_save("r", 0), _save("r", 1)])
+    bufs = copier.bufs[-2:]
+    assert time.monotonic() - started < 0.5
+    time.sleep(0.1)
+    assert not getattr(store, "put", [])  # the save thread waits for the copies, not vLLM
+    for buf in bufs:
+        buf.landed.set()
+    assert _until(lambda: len(getattr(store, "put", [])) == 2)
+    assert copier.lent == 2  # lent to the tiers' writes ...
+    for done in store.on_done:
+        done()
+    assert copier.lent == 0  # ... and back once they ended
+    stats = worker.take_stats()
+    assert stats["saved_chunks"] == 2 and "save_dropped_chunks" not in stats
+    worker.close(1)
+
+
+def test_with_no_save_buffer_free_the_step_drops_the_rest_of_the_request_and_counts() -> None:
+    copier, store = Copier(slots=2), Store({})
+    worker = WorkerSide(store, copier, timeout_secs=5, save_wait_secs=0.05)  # type: ignore[arg-type]
+    started = time.monotonic()
+    worker.save([_save("a", 0), _save("a", 1), _save("a", 2), _save("a", 3)])
+    assert time.monotonic() - started < 0.5  # one bounded wait, then given up
+    assert _until(lambda: len(getattr(store, "put", [])) == 2)
+    assert [h for h, _ in store.put] == ["s0", "s1"]
+    assert worker.take_stats()["save_dropped_chunks"] == 2
+    for done in store.on_done:
+        done()
+    worker.save([_save("b", 4)])  # buffers back: saves go on
+    assert _until(lambda: len(store.put) == 3)
+    worker.close(1)
+
+
+def test_a_load_of_a_chunk_still_being_saved_waits_for_the_save() -> None:
+    """Else the CPU tier would not hold it yet, and the load would fail."""
+    copier = Copier()
+
+    class Saved(Store):
+        def put_run(self, chunks: Any, on_done: Any = None) -> None:
+            super().put_run(chunks, on_done)
+            for h, p, _ in chunks:
+                self.held[h] = bytes(p)
+
+    store = Saved({})
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    copier.hold = True
+    worker.save([_save("r", 0)])
+    threading.Timer(0.2, copier.bufs[-1].landed.set).start()
+    spec = LoadSpec(
+        req_id="q", chunk_hash="s0", stored_blocks=2, first=0, block_ids=(8, 9), num_tokens=32
+    )
+    worker.load([spec])
+    assert worker.take_failed_blocks() == set() and copier.written[-1] == (8, 9)
+    worker.close(1)

@@ -103,6 +103,14 @@ def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
     return int(get_tensor_model_parallel_rank()), size
 
 
+def _vllm_compute_stream() -> Any:
+    """vLLM's own view of the stream it computes on (its model runner sets a dedicated stream
+    on its main thread; torch's thread-local default would be another one)."""
+    from vllm.utils.torch_utils import current_stream
+
+    return current_stream
+
+
 class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         dist = check_vllm_version()
@@ -219,14 +227,29 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if store is None:
             return  # no tier left to use (logged): served without kvtier
+        blocks = self.cfg.chunk_size // self.layout.block_size
+        cuda = bool(tensors) and tensors[0].device.type == "cuda"
         self._worker = WorkerSide(
             store,
-            # CUDA: the pinned pool holds whole chunks, sized once (CPU: unused).
+            # CUDA: the pinned pools hold whole chunks, sized once (CPU: unused).
             BlockCopier(
-                self.layout, tensors, max_blocks=self.cfg.chunk_size // self.layout.block_size
+                self.layout,
+                tensors,
+                max_blocks=blocks,
+                save_buffers=self._save_slots(self.layout.payload_nbytes(blocks)),
+                compute_stream=_vllm_compute_stream() if cuda else None,
             ),
             self.cfg.blocking_timeout_secs,
+            save_wait_secs=self.cfg.save_wait_secs,
         )
+
+    def _save_slots(self, chunk_bytes: int) -> int:
+        """Pinned save slots (CUDA): ``save_buffer_size``, or two steps' worth of chunks."""
+        if self.cfg.save_buffer_size is not None:
+            return max(2, int(self.cfg.save_buffer_size * (1 << 30)) // chunk_bytes)
+        step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
+        # A step completes at most this many chunks (its tokens may straddle one more).
+        return 2 * (-(-step_tokens // self.cfg.chunk_size) + 1)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -14,6 +14,11 @@ from typing import Any
 from kvtier.vllm.layout import KVLayout, LayoutError
 
 
+class SlotsBusy(LayoutError):
+    """No pinned buffer came free within the time the caller would wait (a save is then
+    dropped and counted: backpressure)."""
+
+
 class HostBuffer:
     """A chunk payload in host memory, lent by a BlockCopier.
 
@@ -81,7 +86,9 @@ class BlockCopier:
         *,
         max_blocks: int | None = None,
         pinned_buffers: int = 4,
+        save_buffers: int | None = None,
         cuda_mode: str = "auto",
+        compute_stream: Callable[[], Any] | None = None,
     ) -> None:
         self.layout = layout
         self.tensors = list(tensors)
@@ -94,7 +101,9 @@ class BlockCopier:
                 self.tensors,
                 max_blocks=max_blocks,
                 pinned_buffers=pinned_buffers,
+                save_buffers=save_buffers,
                 mode=cuda_mode,
+                compute_stream=compute_stream,
             )
 
     def _gather_cpu(self, block_ids: Sequence[int]) -> Any:
@@ -121,14 +130,23 @@ class BlockCopier:
         raw = self._gather_cpu(block_ids).numpy().tobytes()
         return raw
 
-    def gather_to_host(self, block_ids: Sequence[int]) -> HostBuffer:
+    def gather_to_host(
+        self, block_ids: Sequence[int], wait_secs: float | None = None
+    ) -> HostBuffer:
         """Like `gather`, without the copy into a `bytes`: the payload stays in a HostBuffer
-        (on CUDA a pinned pool slot, filled asynchronously: `view()` waits). The caller must
-        `release()` it once done with the view (the store must copy what it keeps)."""
+        (on CUDA a slot of the saves' pinned pool, filled asynchronously: `view()` waits; a
+        slot is waited for up to `wait_secs`, then `SlotsBusy`). The caller must `release()`
+        it once done with the view (the store must copy what it keeps). The blocks may be
+        reused by the compute stream as soon as this returns."""
         if self._cuda is not None:
-            buf: HostBuffer = self._cuda.gather_to_host(block_ids)
+            buf: HostBuffer = self._cuda.gather_to_host(block_ids, wait_secs)
             return buf
         return HostBuffer(memoryview(self._gather_cpu(block_ids).numpy()).cast("B"))
+
+    def fence(self) -> Any:
+        """A mark of the work queued so far on the compute stream (CUDA; None on CPU), taken
+        on vLLM's thread for a load that runs in another thread (`scatter_many`'s ``after``)."""
+        return self._cuda.fence() if self._cuda is not None else None
 
     def gather_iter(
         self, block_id_lists: Sequence[Sequence[int]]
@@ -163,12 +181,21 @@ class BlockCopier:
         if len(payload) != expected:
             raise LayoutError(f"payload has {len(payload)} bytes, expected {expected}")
 
-    def scatter_many(self, items: Sequence[tuple[Payload, int, int, Sequence[int]]]) -> None:
+    def scatter_many(
+        self,
+        items: Sequence[tuple[Payload, int, int, Sequence[int]]],
+        *,
+        after: Any = None,
+        wait: bool = False,
+    ) -> None:
         """`scatter` for several (payload, stored_blocks, first, block_ids), copying each
         payload once, straight from the fetched bytes into the KV cache. On CUDA the copies run
-        on the copier's stream and the current stream waits for them (no host wait)."""
+        on the copier's stream after the compute stream's work (or after the `fence`
+        ``after``); the compute stream waits for them (no host wait), or with ``wait`` the
+        call returns only once the blocks are written (a load in a thread of its own: its
+        request is reported loaded then). On CPU the copy is done when the call returns."""
         if self._cuda is not None:
-            self._cuda.scatter_many(items)
+            self._cuda.scatter_many(items, after=after, wait=wait)
             return
         import warnings
 

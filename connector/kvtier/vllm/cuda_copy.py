@@ -8,14 +8,24 @@ Imported only when vLLM's KV cache is on a CUDA device (the CPU build never impo
   (2) one DMA copies the staging buffer into a slot of the pinned pool. The current stream
   waits for (1) only (a later kernel may then overwrite the blocks); the host waits for (2)
   when it reads the slot (``HostBuffer.view()``).
-- scatter (a load), on the same stream, after the current stream's work: one DMA from a pinned
-  slot (a pageable payload is first copied into one) into staging, one launch into the pages;
-  the current stream waits for it (the forward pass reads the blocks after), the host does not.
+- scatter (a load), on the same stream, after the compute stream's work: one DMA from a pinned
+  slot (a pageable payload is first copied into one, outside the copy lock, so a long load
+  never holds up the other thread's copies) into staging, one launch into the pages. A load
+  the forward pass waits for: the compute stream waits for it, the host does not. A load in
+  the background (``wait=True``, in a loading thread): the thread waits for an event recorded
+  after its writes, so the request is reported loaded only once its blocks hold the data.
 
-The pinned pool has `slots` slots of one chunk payload each, allocated once (sized from the
-chunk, or from the first payload and grown when a larger one comes): nothing is pinned per
-request. Slot reuse is fenced by CUDA events: a slot goes back to a caller only once the device
-is done with it.
+"The compute stream" is the stream vLLM computes on, given by `compute_stream` (on CUDA the
+connector passes ``vllm.utils.torch_utils.current_stream``: vLLM's model runner computes on a
+dedicated stream it sets on its main thread, not on the thread-local default stream). It is
+asked on vLLM's thread only; a background load is ordered after an event (`fence`) that vLLM's
+thread recorded on it when the load was planned.
+
+Two pinned pools of chunk-sized slots, allocated once (sized from the chunk, or from the first
+payload and grown when a larger one comes): nothing is pinned per request. Loads use `slots`
+of them (fetch targets, bounces); saves use `save_slots`, each held from the step that gathers
+it until the tiers have written it (kvtier.vllm.worker). Slot reuse is fenced by CUDA events: a
+slot goes back to a caller only once the device is done with it.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +87,9 @@ class CudaBlockCopier:
         *,
         max_blocks: int | None = None,
         pinned_buffers: int = 4,
+        save_buffers: int | None = None,
         mode: str = "auto",
+        compute_stream: Callable[[], Any] | None = None,
     ) -> None:
         self.layout = layout
         self.tensors = list(tensors)
@@ -110,31 +122,44 @@ class CudaBlockCopier:
             raise LayoutError(f"unknown CUDA copy mode {mode!r} (triton, torch)")
         self.mode = mode
         self.stream = torch.cuda.Stream(device=self.device)
+        self._compute_stream = compute_stream or (lambda: torch.cuda.current_stream(self.device))
         # Reused events (recording one again is fine once its waits are queued).
-        self._ev_cur = torch.cuda.Event()  # the current stream's work so far
+        self._ev_cur = torch.cuda.Event()  # the compute stream's work so far
         self._ev_read = torch.cuda.Event()  # a gather's kernel has read the blocks
         self._ev_written = torch.cuda.Event()  # a scatter's kernel has written them
         self._lock = threading.RLock()
         self._slots = max(2, pinned_buffers)
+        self._save_slots = max(2, save_buffers if save_buffers is not None else pinned_buffers)
         self._pool: PinnedPool | None = None
+        self._save_pool: PinnedPool | None = None
         self._staging: Any = None
         self._ids: _IdsRing | None = None
-        if max_blocks:
+        if max_blocks:  # both pools now: pinning them mid-step would stall it
             self._ensure_capacity(layout.payload_nbytes(max_blocks))
+            self._ensure_capacity(layout.payload_nbytes(max_blocks), saves=True)
 
     # ------------------------------------------------------------------ buffers
     @property
     def pool(self) -> PinnedPool | None:
+        """The loads' pool (fetch targets, bounces)."""
         return self._pool
 
-    def _ensure_capacity(self, nbytes: int) -> PinnedPool:
-        """The pool (and device staging buffer) for payloads of `nbytes`; grown, never per
-        request: a larger payload than any before replaces them once."""
+    @property
+    def save_pool(self) -> PinnedPool | None:
+        """The saves' pool (gathers)."""
+        return self._save_pool
+
+    def _ensure_capacity(self, nbytes: int, saves: bool = False) -> PinnedPool:
+        """The pool of loads (``saves``: of saves) for payloads of `nbytes`, and the device
+        staging buffer; grown, never per request: a larger payload than any before replaces
+        them once."""
         with self._lock:
-            pool = self._pool
+            pool = self._save_pool if saves else self._pool
             if pool is not None and nbytes <= pool.slot_bytes:
                 return pool
-            slot_bytes = max(nbytes, pool.slot_bytes if pool else 0)
+            slot_bytes = max(
+                nbytes, *(p.slot_bytes for p in (self._pool, self._save_pool) if p is not None)
+            )
             if pool is not None:
                 self.stream.synchronize()
                 log.info(
@@ -143,25 +168,41 @@ class CudaBlockCopier:
                     nbytes,
                     pool.slot_bytes,
                 )
-            new = PinnedPool(slot_bytes, self._slots)
-            self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
-            blocks = slot_bytes // (self.layout.num_layers * self.layout.block_nbytes)
-            self._ids = _IdsRing(max(1, blocks), self.device)
-            self._pool = new
-            return new
+            if self._staging is None or slot_bytes > self._staging.numel():
+                self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+                blocks = slot_bytes // (self.layout.num_layers * self.layout.block_nbytes)
+                self._ids = _IdsRing(max(1, blocks), self.device)
+            if saves:
+                self._save_pool = PinnedPool(slot_bytes, self._save_slots)
+                return self._save_pool
+            self._pool = PinnedPool(slot_bytes, self._slots)
+            return self._pool
 
     def host_buffer(self, nbytes: int) -> PinnedHostBuffer:
         pool = self._ensure_capacity(nbytes)
         return PinnedHostBuffer(pool, pool.acquire(), nbytes)
 
+    def fence(self) -> Any:
+        """An event after the work queued so far on the compute stream (call on vLLM's
+        thread); a background load passes it to `scatter_many` to be ordered after it."""
+        ev = torch.cuda.Event()
+        ev.record(self._compute_stream())
+        return ev
+
     # ------------------------------------------------------------------ gather
-    def gather_to_host(self, block_ids: Sequence[int]) -> PinnedHostBuffer:
+    def gather_to_host(
+        self, block_ids: Sequence[int], wait_secs: float | None = None
+    ) -> PinnedHostBuffer:
+        """A save slot holding `block_ids` of every layer once the copy lands (``view()``
+        waits). A slot is waited for up to `wait_secs` (default: the pool's bound), then
+        `kvtier.vllm.pinned.SlotsBusy` is raised."""
         n = len(block_ids)
         nbytes = self.layout.payload_nbytes(n)
-        buf = self.host_buffer(nbytes)
+        pool = self._ensure_capacity(nbytes, saves=True)
+        buf = PinnedHostBuffer(pool, pool.acquire(wait_secs), nbytes)
         try:
             with self._lock:
-                cur = torch.cuda.current_stream(self.device)
+                cur = self._compute_stream()
                 s = self.stream
                 self._ev_cur.record(cur)
                 s.wait_event(self._ev_cur)
@@ -199,7 +240,17 @@ class CudaBlockCopier:
             return bytes(buf.view())
 
     # ------------------------------------------------------------------ scatter
-    def scatter_many(self, items: Sequence[tuple[Payload, int, int, Sequence[int]]]) -> None:
+    def scatter_many(
+        self,
+        items: Sequence[tuple[Payload, int, int, Sequence[int]]],
+        *,
+        after: Any = None,
+        wait: bool = False,
+    ) -> None:
+        """Write the payloads' blocks. ``after``: a `fence` to order the writes after (a
+        background load; default: the compute stream's work so far). ``wait``: return once
+        the blocks are written (a background load reports its request only then); else the
+        compute stream waits for the writes and the host does not."""
         if not items:
             return
         for payload, stored, first, block_ids in items:
@@ -210,26 +261,32 @@ class CudaBlockCopier:
                 raise LayoutError(
                     f"blocks {first}..{first + len(block_ids)} of a payload of {stored} blocks"
                 )
+        s = self.stream
         with self._lock:
-            cur = torch.cuda.current_stream(self.device)
-            s = self.stream
-            self._ev_cur.record(cur)
-            s.wait_event(self._ev_cur)
-            for payload, stored, first, block_ids in items:
-                nbytes = self.layout.payload_nbytes(stored)
-                src, pool, slot, bounce = self._pinned_source(payload, nbytes)
-                try:
-                    with torch.cuda.stream(s):
-                        assert self._ids is not None
-                        ids = self._ids.put(block_ids, s)
-                        self._staging[:nbytes].copy_(src, non_blocking=True)
-                        pool.record(slot, s)
-                        self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
-                finally:
-                    if bounce:
-                        pool.release(slot)
-            self._ev_written.record(s)
-            cur.wait_event(self._ev_written)
+            if after is None:
+                after = self._ev_cur
+                after.record(self._compute_stream())
+            s.wait_event(after)
+        done = torch.cuda.Event()
+        for payload, stored, first, block_ids in items:
+            nbytes = self.layout.payload_nbytes(stored)
+            # The bounce (pageable -> pinned, a host memcpy) runs outside the lock.
+            src, pool, slot, bounce = self._pinned_source(payload, nbytes)
+            try:
+                with self._lock, torch.cuda.stream(s):
+                    assert self._ids is not None
+                    ids = self._ids.put(block_ids, s)
+                    self._staging[:nbytes].copy_(src, non_blocking=True)
+                    pool.record(slot, s)
+                    self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
+                    done.record(s)
+            finally:
+                if bounce:
+                    pool.release(slot)
+        if wait:
+            done.synchronize()
+            return
+        self._compute_stream().wait_event(done)
 
     def _pinned_source(self, payload: Payload, nbytes: int) -> tuple[Any, PinnedPool, int, bool]:
         """(pinned uint8 tensor of the payload, its pool, slot, whether the slot is ours)."""
@@ -241,14 +298,15 @@ class CudaBlockCopier:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer, only read
             src = torch.frombuffer(data, dtype=torch.uint8)
-        where = pool.slot_at(int(src.data_ptr()), nbytes)
-        if where is not None:  # a view of one of our slots: no bounce
-            slot, offset = where
-            pool.wait(slot)
-            return pool.tensor(slot, nbytes, offset), pool, slot, False
+        for mine in (pool, self._save_pool):
+            where = mine.slot_at(int(src.data_ptr()), nbytes) if mine is not None else None
+            if mine is not None and where is not None:  # a view of one of our slots
+                slot, offset = where
+                mine.wait(slot)
+                return mine.tensor(slot, nbytes, offset), mine, slot, False
         slot = pool.acquire()
         dst = pool.tensor(slot, nbytes)
-        dst.copy_(src)
+        _parallel_copy(dst, src)
         return dst, pool, slot, True
 
     # ------------------------------------------------------------------ the copy itself
@@ -295,8 +353,36 @@ class CudaBlockCopier:
     def close(self) -> None:
         with self._lock:
             self.stream.synchronize()
-            if self._pool is not None:
-                self._pool.close()
+            for pool in (self._pool, self._save_pool):
+                if pool is not None:
+                    pool.close()
+
+
+#: Pageable -> pinned bounces are split over this many threads: one thread's memcpy (10-20
+#: GB/s) is slower than the host -> device link, and vLLM runs its workers with one torch
+#: thread. torch's copy releases the GIL.
+_BOUNCE_THREADS = 4
+_BOUNCE_MIN_BYTES = 4 << 20
+_bounce_pool: Any = None
+_bounce_lock = threading.Lock()
+
+
+def _parallel_copy(dst: Any, src: Any) -> None:
+    """dst.copy_(src) for flat uint8 CPU tensors, in parts copied by a few threads."""
+    global _bounce_pool
+    n = src.numel()
+    if n < _BOUNCE_MIN_BYTES:
+        dst.copy_(src)
+        return
+    with _bounce_lock:
+        if _bounce_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _bounce_pool = ThreadPoolExecutor(_BOUNCE_THREADS, thread_name_prefix="kvtier-bounce")
+    step = -(-n // _BOUNCE_THREADS)
+    parts = [(dst[i : i + step], src[i : i + step]) for i in range(0, n, step)]
+    for fut in [_bounce_pool.submit(d.copy_, s_) for d, s_ in parts]:
+        fut.result()
 
 
 def _have_triton() -> bool:

@@ -156,6 +156,37 @@ def _cuda_backend_name(vllm_config: Any, spec: Any, dtype: Any, cache_dtype: str
     return str(backend.get_name())
 
 
+#: FP8 KV caches kvtier stores on CUDA, by --kv-cache-dtype: the name in the layout (and so in
+#: every key). vLLM stores them as uint8 pages; "fp8" is e4m3 on CUDA. Their per-layer scales
+#: come from the checkpoint (the model's files are in the key) or are 1.0.
+_FP8_ON_CUDA = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def _kv_dtype_name(vllm_config: Any, dtype: Any, cuda: bool) -> str:
+    """The KV cache's element type as the layout names it; refused where kvtier cannot
+    store it bit for bit."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    # "auto", or the model's own dtype named explicitly: the KV cache holds the model's dtype.
+    if cache_dtype in ("auto", model_dtype) and dtype == vllm_config.model_config.dtype:
+        return model_dtype
+    if cache_dtype in _FP8_ON_CUDA and cuda:
+        return _FP8_ON_CUDA[cache_dtype]
+    where = (
+        "FP8 KV caches are stored on vLLM's CUDA build only: vLLM's CPU build cannot transfer "
+        "FP8 KV"
+        if cache_dtype in _FP8_ON_CUDA
+        else f"kvtier stores a KV cache of the model's dtype ({model_dtype})"
+        + (f" or of {', '.join(sorted(_FP8_ON_CUDA))} on CUDA" if cuda else "")
+    )
+    raise LayoutError(
+        f"kvtier does not support kv_cache_dtype {cache_dtype!r} here (set by "
+        "--kv-cache-dtype, or resolved by vLLM from the checkpoint's quantization config, as "
+        f"for FP8 checkpoints): {where}. Serve with --kv-cache-dtype {model_dtype}, or without "
+        "kv_transfer_config"
+    )
+
+
 def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
     """The layout vLLM will use, computed from the configuration alone.
 
@@ -188,20 +219,11 @@ def expected_layout(vllm_config: Any, kv_cache_config: Any) -> KVLayout:
             "kv_transfer_config"
         )
     dtype: torch.dtype = spec.dtype
+    dtype_name = _kv_dtype_name(vllm_config, dtype, current_platform.is_cuda())
     cache_dtype = vllm_config.cache_config.cache_dtype
-    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    # "auto", or the model's own dtype named explicitly: the KV cache holds the model's dtype.
-    if cache_dtype not in ("auto", model_dtype) or dtype != vllm_config.model_config.dtype:
-        raise LayoutError(
-            f"kvtier does not support a KV cache of another dtype than the model's "
-            f"({model_dtype}): kv_cache_dtype is {cache_dtype!r} (set by --kv-cache-dtype, or "
-            "resolved by vLLM from the checkpoint's quantization config, as for FP8 "
-            f"checkpoints). Serve with --kv-cache-dtype {model_dtype}, or without "
-            "kv_transfer_config"
-        )
     itemsize = torch.empty((), dtype=dtype).element_size()
     common: dict[str, Any] = {
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name,
         "itemsize": itemsize,
         "layer_names": tuple(sorted(groups[0].layer_names, key=_natural_key)),
         "num_kv_heads": spec.num_kv_heads,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvtier.vllm.copier import HostBuffer
+from kvtier.vllm.copier import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class PinnedPool:
         timeout = POOL_WAIT_SECS if timeout is None else timeout
         with self._cond:
             if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                raise LayoutError(
+                raise SlotsBusy(
                     f"all {self.slots} pinned buffers of {self.slot_bytes} bytes are in use "
                     f"after {timeout} s: release HostBuffers once done with them"
                 )

@@ -16,7 +16,7 @@ Names (values are token or chunk counts unless the name says otherwise):
   ``uncached_requests.<reason>`` (requests served without kvtier, `kvtier.vllm.identity`);
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
   ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
-  ``save_failed_chunks``, ``save_copy_seconds`` (and ``@samples``);
+  ``save_failed_chunks``, ``save_dropped_chunks``, ``save_copy_seconds`` (and ``@samples``);
 - both (from their store): ``dropped_writes``, ``remote_lookup_requests`` and per tier
   ``tier.<tier>.{hits,misses,bytes_read,puts,bytes_written,errors,errors.<cause>,
   circuit_opened,circuit_closed}``;
@@ -96,6 +96,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:saved_chunks", "saved_chunks", "Chunks handed to the store."),
     ("kvtier:saved_bytes", "saved_bytes", "Payload bytes handed to the store."),
     ("kvtier:dropped_writes", "dropped_writes", "Background tier writes dropped (backpressure)."),
+    (
+        "kvtier:save_dropped_chunks",
+        "save_dropped_chunks",
+        "Chunks not saved: no pinned save buffer came free within save_wait_secs (CUDA).",
+    ),
+    ("kvtier:save_failed_chunks", "save_failed_chunks", "Chunks whose copy out failed."),
     ("kvtier:remote_lookups", "remote_lookups", "Lookups that asked the remote tier."),
     (
         "kvtier:remote_lookup_requests",
@@ -171,7 +177,12 @@ _TIER_GAUGES: tuple[tuple[str, str, str], ...] = (
 )
 _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("kvtier:load_seconds", "load_seconds", "Loading the chunks of one step (fetch and copy)."),
-    ("kvtier:save_seconds", "save_copy_seconds", "Copying one step's chunks out to the store."),
+    (
+        "kvtier:save_seconds",
+        "save_copy_seconds",
+        "vLLM's thread in wait_for_save: queueing one step's chunk copies (the store's work "
+        "runs in the save thread).",
+    ),
     (
         "kvtier:remote_lookup_seconds",
         "remote_lookup_seconds",

@@ -7,10 +7,16 @@
   the background (``enable_async_loading``: the request waits outside the batch, vLLM's
   asynchronous load) run in a thread while the steps of the other requests go on; the request
   is reported done through ``take_finished``, with its failed blocks, and then scheduled.
-- Saves run in ``wait_for_save`` after the forward pass: the chunks' blocks are copied out
-  synchronously (one memcpy per layer; vLLM may reuse the blocks right after the step) and
-  handed to the store a run at a time (one S3 object), which writes the slower tiers in the
-  background.
+- Saves start in ``wait_for_save`` after the forward pass, which only queues each chunk's
+  copy out of its blocks (on CUDA into a slot of the pinned save pool, ordered before any
+  later kernel can overwrite the blocks; on CPU a memcpy per layer, done at once: vLLM may
+  reuse the blocks right after the step) and hands the buffers to the save thread. That
+  thread waits for the copies, gives each run (one S3 object) to the store, which checksums
+  it, copies it into the CPU tier and writes the slower tiers in the background from the
+  buffer itself; the buffer goes back to the pool once the last write has ended. When no save
+  slot comes free within ``save_wait_secs`` the rest of that request's chunks of the step are
+  not saved (counted: ``save_dropped_chunks``), so vLLM's thread never waits longer. A load of
+  a chunk whose save is still in the save thread waits for it (the CPU tier would miss it).
 Every failure here is a miss (logged with its cause), never an exception into vLLM.
 """
 
@@ -20,14 +26,15 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import Any, Protocol
 
 from kvtier.stats import SAMPLES, StoreStats, store_deltas, without_fill
 from kvtier.store import ChunkRef
-from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.copier import BlockCopier, HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.plan import LoadSpec, SaveSpec
 
@@ -40,7 +47,11 @@ class ChunkStore(Protocol):
     """The part of kvtier.store.TieredStore the worker uses."""
 
     def get_many(self, refs: Sequence[str | ChunkRef]) -> list[bytes | None]: ...
-    def put_run(self, chunks: Sequence[tuple[str, bytes | memoryview, int]]) -> None: ...
+    def put_run(
+        self,
+        chunks: Sequence[tuple[str, bytes | memoryview, int]],
+        on_done: Callable[[], None] | None = None,
+    ) -> None: ...
     def stats(self) -> StoreStats: ...
     def close(self, timeout: float | None = ...) -> None: ...
 
@@ -56,10 +67,12 @@ class WorkerSide:
         store: ChunkStore,
         copier: BlockCopier,
         timeout_secs: float,
+        save_wait_secs: float = 0.005,
     ) -> None:
         self.store = store
         self.copier = copier
         self.timeout_secs = timeout_secs
+        self.save_wait_secs = save_wait_secs
         # A thread waits on the store so a stalled tier cannot hold the forward pass beyond the
         # timeout (the late result is dropped). A fetch that timed out keeps its thread until
         # the tier's own timeouts end it: the next load gets a new one instead of queueing
@@ -75,6 +88,11 @@ class WorkerSide:
         self._counters: dict[str, float] = {}
         self._samples: dict[str, list[float]] = {}
         self._load_ended: float | None = None
+        # Saves after wait_for_save: one thread, in step order. `_saving`: chunk hash -> how
+        # many of its saves are still in that thread (a load of it waits for them).
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+        self._saving: dict[str, int] = {}
+        self._saved = threading.Condition(self._lock)
         # Counters from here on; the tiers' fill (a gauge built from deltas) whole, from zero.
         self._last_store_stats = without_fill(store.stats())
         # Warm the copy path (first torch calls allocate and spin up threads) on block 0,
@@ -103,13 +121,15 @@ class WorkerSide:
             with self._lock:
                 self._failed_blocks |= failed
         later = [s for s in specs if s.background]
+        # Written after what the compute stream has queued so far (the blocks' former users).
+        fence = self.copier.fence() if later else None
         # A request's chunks are planned together, in prompt order.
         for req_id, group in itertools.groupby(later, key=lambda spec: spec.req_id):
-            self._background.submit(self._load_later, req_id, list(group))
+            self._background.submit(self._load_later, req_id, list(group), fence)
 
-    def _load_later(self, req_id: str, specs: list[LoadSpec]) -> None:
+    def _load_later(self, req_id: str, specs: list[LoadSpec], fence: Any) -> None:
         try:
-            failed = self._load(specs, wait=False)
+            failed = self._load(specs, wait=False, fence=fence)
         except Exception as exc:  # the request must still be reported: its blocks as failed
             log.warning("kvtier: loading request %s failed: %s", req_id, exc, exc_info=True)
             failed = {b for spec in specs for b in spec.block_ids}
@@ -153,12 +173,15 @@ class WorkerSide:
             return {}
         return dict(zip((r.chunk_id for r in refs), got, strict=True))
 
-    def _load(self, specs: Sequence[LoadSpec], wait: bool) -> set[int]:
+    def _load(self, specs: Sequence[LoadSpec], wait: bool, fence: Any = None) -> set[int]:
         """Fetch, check and write the chunks of ``specs`` into their blocks; the blocks that
-        did not load (vLLM recomputes their tokens)."""
+        did not load (vLLM recomputes their tokens). ``wait``: the forward pass waits for
+        this load (it is ordered before it on the compute stream); else a background load,
+        ordered after ``fence``, that returns once the blocks are written."""
         start = time.perf_counter()
         verified_before = self.store.stats().verify_seconds
         unique = {s.chunk_hash: ChunkRef(s.chunk_hash, s.object_hash, s.position) for s in specs}
+        self._wait_for_saves(unique, deadline=start + self.timeout_secs)
         payloads = self._fetch(list(unique.values()), wait)
         fetched = time.perf_counter()
         failed: set[int] = set()
@@ -182,7 +205,11 @@ class WorkerSide:
             ready.append((spec, payload))
         copy_start = time.perf_counter()
         try:
-            self.copier.scatter_many([(p, s.stored_blocks, s.first, s.block_ids) for s, p in ready])
+            self.copier.scatter_many(
+                [(p, s.stored_blocks, s.first, s.block_ids) for s, p in ready],
+                after=fence,
+                wait=not wait,
+            )
         except Exception as exc:  # a bad copy must become a recompute, never a crash
             log.warning("kvtier: cannot write loaded chunks: %s", exc, exc_info=True)
             for spec, _ in ready:
@@ -242,40 +269,81 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ saves
     def save(self, specs: Sequence[SaveSpec]) -> None:
-        """Copy each chunk's blocks out (each buffer goes back to the copier at once; on CUDA
-        the next chunks' copies are already queued: BlockCopier.gather_iter), then hand the
-        copies to the store."""
+        """Queue each chunk's copy out of its blocks and hand the buffers to the save thread
+        (vLLM's thread returns at once, see the module's docstring)."""
         if not specs:
             return
         start = time.perf_counter()
-        copied: list[bytes] = []
-        try:
-            for _, buf in self.copier.gather_iter([s.block_ids for s in specs]):
-                try:
-                    copied.append(bytes(buf.view()))
-                finally:
-                    buf.release()
-        except Exception as exc:  # never fail the step over a cache write
-            failed = specs[len(copied) :]
-            log.warning(
-                "kvtier: cannot copy %d chunks out (from %s on): %s",
-                len(failed),
-                failed[0].chunk_hash if failed else "-",
-                exc,
-                exc_info=True,
+        queued: list[tuple[SaveSpec, HostBuffer]] = []
+        given_up: set[str] = set()  # requests whose later chunks of this step are not saved
+        for spec in specs:
+            if spec.req_id in given_up:
+                self._count("save_dropped_chunks")
+                continue
+            try:
+                buf = self.copier.gather_to_host(spec.block_ids, self.save_wait_secs)
+            except SlotsBusy:
+                given_up.add(spec.req_id)
+                self._count("save_dropped_chunks")
+            except Exception as exc:  # never fail the step over a cache write
+                given_up.add(spec.req_id)
+                log.warning(
+                    "kvtier: cannot copy chunk %s out: %s", spec.chunk_hash, exc, exc_info=True
+                )
+                self._count("save_failed_chunks")
+            else:
+                queued.append((spec, buf))
+        if given_up:
+            log.info(
+                "kvtier: %d chunks of this step not saved: no pinned save buffer came free "
+                "within save_wait_secs=%s (or a copy failed); see save_dropped_chunks",
+                len(specs) - len(queued),
+                self.save_wait_secs,
             )
-            self._count("save_failed_chunks", len(failed))
-        # Handed to the store only once every chunk of the step is copied: its background
-        # writers (disk, S3) start with the first put, and on a few cores they would slow the
-        # rest of these copies, which the request's first token waits for. Consecutive chunks
-        # of one run go together (one object on the remote tier).
-        done = list(zip(specs, copied, strict=False))
-        for _, run in itertools.groupby(done, key=lambda sp: _run_of(sp[0])):
-            chunks = [(spec.chunk_hash, payload, spec.num_tokens) for spec, payload in run]
-            self.store.put_run(chunks)
-            self._count("saved_chunks", len(chunks))
-            self._count("saved_bytes", sum(len(p) for _, p, _ in chunks))
+        if queued:
+            with self._lock:
+                for spec, _ in queued:
+                    self._saving[spec.chunk_hash] = self._saving.get(spec.chunk_hash, 0) + 1
+            try:
+                self._saver.submit(self._store_saves, queued)
+            except RuntimeError:  # closing: nothing is saved any more
+                self._saves_ended(queued)
         self._sample("save_copy_seconds", time.perf_counter() - start)
+
+    def _store_saves(self, queued: list[tuple[SaveSpec, HostBuffer]]) -> None:
+        """In the save thread: wait for the copies, give each run to the store (one S3
+        object); a run's buffers go back once the store's writes of it have ended."""
+        try:
+            for _, group in itertools.groupby(queued, key=lambda sb: _run_of(sb[0])):
+                run = list(group)
+                try:
+                    chunks = [(spec.chunk_hash, buf.view(), spec.num_tokens) for spec, buf in run]
+                except Exception as exc:  # the copy failed: its chunks are not saved
+                    log.warning("kvtier: cannot copy chunks out: %s", exc, exc_info=True)
+                    self._count("save_failed_chunks", len(run))
+                    _release(run)
+                    continue
+                self.store.put_run(chunks, on_done=partial(_release, run))
+                self._count("saved_chunks", len(chunks))
+                self._count("saved_bytes", sum(len(p) for _, p, _ in chunks))
+        finally:
+            self._saves_ended(queued)
+
+    def _saves_ended(self, queued: list[tuple[SaveSpec, HostBuffer]]) -> None:
+        with self._saved:
+            for spec, _ in queued:
+                left = self._saving.pop(spec.chunk_hash) - 1
+                if left:
+                    self._saving[spec.chunk_hash] = left
+            self._saved.notify_all()
+
+    def _wait_for_saves(self, chunks: Iterable[str], deadline: float) -> None:
+        """Until none of `chunks` is still in the save thread (or `deadline`)."""
+        with self._saved:
+            self._saved.wait_for(
+                lambda: not any(c in self._saving for c in chunks),
+                max(0.0, deadline - time.perf_counter()),
+            )
 
     # ------------------------------------------------------------------ stats / shutdown
     def take_stats(self) -> dict[str, Any]:
@@ -294,4 +362,10 @@ class WorkerSide:
     def close(self, timeout: float) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._background.shutdown(wait=False, cancel_futures=True)
+        self._saver.shutdown(wait=True)  # the steps' saves reach the store, then it flushes
         self.store.close(timeout)
+
+
+def _release(run: Sequence[tuple[SaveSpec, HostBuffer]]) -> None:
+    for _, buf in run:
+        buf.release()

@@ -15,6 +15,7 @@ device machine: ``PYTHONPATH=connector python -m pytest connector/tests/cuda -q`
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -210,9 +211,10 @@ def test_pool_is_allocated_once_and_reused() -> None:
     # Without max_blocks the pool is sized by the first payload and grows once for a larger.
     lazy = BlockCopier(layout, src)
     lazy.gather([1])
-    small = lazy._cuda.pool
+    small = lazy._cuda.save_pool
     assert lazy.gather(list(range(16))) == _reference(src, list(range(16)), layout.variant)
-    assert lazy._cuda.pool is not small and lazy._cuda.pool.slot_bytes == pool.slot_bytes
+    assert lazy._cuda.save_pool is not small
+    assert lazy._cuda.save_pool.slot_bytes == pool.slot_bytes
 
 
 def test_an_exhausted_pool_fails_the_copy_instead_of_allocating(
@@ -248,3 +250,67 @@ def test_gather_iter_streams_chunks_in_order() -> None:
     held = [copier.host_buffer(16) for _ in range(3)]
     for buf in held:
         buf.release()
+
+
+def test_a_background_load_returns_once_its_blocks_are_written() -> None:
+    """vLLM computes on a stream of its own; a background load runs in another thread and
+    its request is reported as soon as the call returns: the blocks must hold the payload
+    then, even with the copy stream busy (a save in flight)."""
+    layout, src = _caches("LBNHC")
+    _, dst = _caches("LBNHC")
+    ids, target = [3, 5, 7, 9], [11, 13, 17, 19]
+    payload = BlockCopier(layout, src).gather(ids)
+    compute = torch.cuda.Stream()
+    back = BlockCopier(layout, dst, max_blocks=4, compute_stream=lambda: compute)
+    fence = back.fence()
+    with torch.cuda.stream(back._cuda.stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream is late
+    done = threading.Event()
+
+    def load() -> None:
+        back.scatter_many([(payload, 4, 0, target)], after=fence, wait=True)
+        done.set()
+
+    threading.Thread(target=load).start()
+    assert done.wait(30)
+    with torch.cuda.stream(compute):  # read at once on the compute stream, no host sync
+        sums = [int(_bits(d[target]).to(torch.int64).sum()) for d in dst]
+    assert sums == [int(_bits(s[ids]).to(torch.int64).sum()) for s in src]
+
+
+def test_an_fp8_kv_cache_round_trips_bit_exact() -> None:
+    """--kv-cache-dtype fp8: vLLM allocates uint8 pages; every bit pattern comes back."""
+    tensors = vk.allocate_kv_caches(
+        "LBNHC",
+        num_layers=LAYERS,
+        num_blocks=NUM_BLOCKS,
+        num_kv_heads=HEADS,
+        block_size=BLOCK,
+        head_size=HEAD,
+        dtype=torch.uint8,
+        device="cuda",
+    )
+    for t in tensors:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
+    layout = cuda_kv_layout(
+        backend="FLASH_ATTN",
+        cache_layout="LBNHC",
+        layer_view_order=vk.layer_view_order("LBNHC"),
+        num_heads=HEADS,
+        num_states=BLOCK,
+        content_elems=2 * HEAD,
+        common={
+            "dtype": "fp8_e4m3",
+            "itemsize": 1,
+            "layer_names": tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
+            "num_kv_heads": HEADS,
+            "head_size": HEAD,
+            "block_size": BLOCK,
+        },
+    )
+    src = check_tensors(layout, dict(zip(layout.layer_names, tensors, strict=True)))
+    dst = [torch.zeros_like(t) for t in src]
+    ids, target = [2, 4, 6], [40, 41, 42]
+    BlockCopier(layout, dst).scatter(BlockCopier(layout, src).gather(ids), 3, 0, target)
+    torch.cuda.synchronize()
+    assert all(torch.equal(d[target], s[ids]) for d, s in zip(dst, src, strict=True))

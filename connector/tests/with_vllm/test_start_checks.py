@@ -10,7 +10,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 from kvtier.vllm.connector import _refuse_unsupported_parallelism
-from kvtier.vllm.layout import LayoutError, expected_layout
+from kvtier.vllm.layout import LayoutError, _kv_dtype_name, expected_layout
 
 
 def _configs(
@@ -35,19 +35,35 @@ def test_the_models_own_dtype_is_accepted_by_name_too(cache_dtype: str) -> None:
     assert layout.dtype == "bfloat16"
 
 
-def test_an_fp8_kv_cache_is_refused_naming_both_ways_it_comes() -> None:
+def test_an_fp8_kv_cache_is_refused_on_the_cpu_build_naming_both_ways_it_comes() -> None:
     # An FP8 checkpoint: vLLM resolves kv_cache_dtype from its quantization config.
     with pytest.raises(LayoutError) as err:
-        expected_layout(*_configs("fp8_e4m3", torch.float8_e4m3fn))
+        expected_layout(*_configs("fp8_e4m3", torch.uint8))
     message = str(err.value)
-    assert "kv_cache_dtype is 'fp8_e4m3'" in message
+    assert "kv_cache_dtype 'fp8_e4m3'" in message
+    assert "vLLM's CPU build cannot transfer FP8 KV" in message
     assert "resolved by vLLM from the checkpoint's quantization config" in message
     assert "--kv-cache-dtype bfloat16" in message and "use --kv-cache-dtype auto" not in message
 
 
-def test_float16_kv_for_a_bfloat16_model_is_refused() -> None:
-    with pytest.raises(LayoutError, match="another dtype than the model's"):
+@pytest.mark.parametrize(
+    ("cache_dtype", "name"),
+    [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")],
+)
+def test_an_fp8_kv_cache_on_cuda_is_named_in_the_layout(cache_dtype: str, name: str) -> None:
+    # The CUDA branch of expected_layout needs vLLM's CUDA build; the dtype rule is shared.
+    vllm_config, _ = _configs(cache_dtype, torch.uint8)
+    assert _kv_dtype_name(vllm_config, torch.uint8, cuda=True) == name
+    with pytest.raises(LayoutError, match="cannot transfer FP8 KV"):
+        _kv_dtype_name(vllm_config, torch.uint8, cuda=False)
+
+
+def test_other_kv_dtypes_are_refused_everywhere() -> None:
+    with pytest.raises(LayoutError, match="stores a KV cache of the model's dtype"):
         expected_layout(*_configs("float16", torch.float16))
+    vllm_config, _ = _configs("int8_per_token_head", torch.int8)
+    with pytest.raises(LayoutError, match="or of fp8, fp8_e4m3, fp8_e5m2 on CUDA"):
+        _kv_dtype_name(vllm_config, torch.int8, cuda=True)
 
 
 def test_non_causal_attention_is_refused() -> None:

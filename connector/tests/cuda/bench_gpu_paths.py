@@ -1,0 +1,517 @@
+"""The worker's GPU paths on a real GPU (a by-hand harness and benchmark; torch, no vLLM):
+
+    PYTHONPATH=connector:connector/tests/cuda python connector/tests/cuda/bench_gpu_paths.py \
+        --out DIR [--iters 1000]
+    python connector/tests/cuda/bench_gpu_paths.py --plot DIR/bench_gpu_paths.json --png F.png
+
+1. **Stream order** (``order``): vLLM's threading reproduced. The main thread computes on a
+   dedicated stream it set (as vLLM's GPU model runner does), and clears the target blocks on
+   it; the copier's stream is busy (a long kernel: a save's gather still in flight); a request
+   is loaded in the background through `WorkerSide` (its loading thread); as soon as
+   `take_finished` reports it, the main thread reads its blocks on the compute stream and
+   compares them with the payload. ``before``: the copier as it was (orders against the
+   thread-local current stream, reports the load once queued); ``after``: this code. A stale
+   read is a block that does not hold the payload.
+2. **Saves** (``saves``): `WorkerSide.save` of 8K-token steps (32 chunks of 256 tokens) for a
+   7B and a 70B shape: host time inside the call (vLLM's thread) per step, and the sustained
+   rate until every chunk reached the store, against a plain pinned D2H copy of the same bytes
+   in the same chunk-sized pieces. The store is a sink that gets the payloads as views of the
+   pinned slots (no ``bytes`` copy on the path: checked), checksums them (xxh3, as the real
+   store's header does) and gives the slots back.
+3. **Loads** (``loads``): `scatter_many` of 32 chunks from fetched payloads (``bytes``: pageable
+   memory, as the tiers return them), streamed, against a plain pinned H2D copy of the same bytes.
+4. **Lone chunk** (``lone``): one 7B/256-token chunk gathered and scattered alone.
+5. **FP8** (``fp8``): an FP8 KV cache (uint8 pages, as vLLM allocates them for
+   ``--kv-cache-dtype fp8``) gathered and scattered into another: bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BLOCK = 16
+CHUNK = 256
+STEP_TOKENS = 8192
+SHAPES = {"7B": (28, 4, 128), "70B": (80, 8, 128)}  # layers, KV heads, head size
+
+
+def _layout(layers: int, heads: int, head: int, dtype: str = "bfloat16", itemsize: int = 2) -> Any:
+    import vllm032_kv as vk
+
+    from kvtier.vllm.layout import cuda_kv_layout
+
+    return cuda_kv_layout(
+        backend="FLASH_ATTN",
+        cache_layout="LBNHC",
+        layer_view_order=vk.layer_view_order("LBNHC"),
+        num_heads=heads,
+        num_states=BLOCK,
+        content_elems=2 * head,
+        common={
+            "dtype": dtype,
+            "itemsize": itemsize,
+            "layer_names": tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
+            "num_kv_heads": heads,
+            "head_size": head,
+            "block_size": BLOCK,
+        },
+    )
+
+
+def _caches(shape: str, num_blocks: int, dtype: Any = None) -> tuple[Any, list[Any]]:
+    import torch
+    import vllm032_kv as vk
+
+    from kvtier.vllm.layout import check_tensors
+
+    layers, heads, head = SHAPES[shape]
+    dtype = dtype or torch.bfloat16
+    fp8 = dtype == torch.uint8
+    layout = _layout(layers, heads, head, "fp8_e4m3" if fp8 else "bfloat16", 1 if fp8 else 2)
+    tensors = vk.allocate_kv_caches(
+        "LBNHC",
+        num_layers=layers,
+        num_blocks=num_blocks,
+        num_kv_heads=heads,
+        block_size=BLOCK,
+        head_size=head,
+        dtype=dtype,
+        device="cuda",
+    )
+    for t in tensors:
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, t.view(torch.uint8).shape, device="cuda", dtype=torch.uint8)
+        )
+    return layout, check_tensors(layout, dict(zip(layout.layer_names, tensors, strict=True)))
+
+
+class _Store:
+    """The part of TieredStore the worker uses: fetches from a dict (``bytes``), and a save
+    sink that checksums what it is lent and gives it back at once."""
+
+    def __init__(self) -> None:
+        from kvtier.stats import StoreStats
+
+        self.held: dict[str, bytes] = {}
+        self.saved_bytes = 0
+        self.saved_chunks = 0
+        self.lent_views = True
+        self._stats = StoreStats()
+        self.done = threading.Condition()
+
+    def get_many(self, refs: Sequence[Any]) -> list[bytes | None]:
+        return [self.held.get(r.chunk_id) for r in refs]
+
+    def put_run(
+        self, chunks: Sequence[tuple[str, Any, int]], on_done: Callable[[], None] | None = None
+    ) -> None:
+        from kvtier.format import checksum
+
+        for _, payload, _ in chunks:
+            self.lent_views &= isinstance(payload, memoryview)
+            checksum(payload)
+        if on_done is not None:
+            on_done()
+        with self.done:
+            self.saved_chunks += len(chunks)
+            self.saved_bytes += sum(len(p) for _, p, _ in chunks)
+            self.done.notify_all()
+
+    def stats(self) -> Any:
+        return self._stats
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+class _BeforeCopier:
+    """The copier as it was before this change, for the harness's control: a background load
+    orders against the loading thread's own current stream (the default stream) and returns
+    once its copies are queued (no fence, no wait)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def fence(self) -> None:
+        return None
+
+    def scatter_many(self, items: Any, *, after: Any = None, wait: bool = False) -> None:
+        import torch
+
+        cuda = self._inner._cuda
+        saved = cuda._compute_stream
+        cuda._compute_stream = lambda: torch.cuda.current_stream()  # the thread's own
+        try:
+            cuda.scatter_many(items)
+        finally:
+            cuda._compute_stream = saved
+
+
+def stream_order(iters: int, sleep_cycles: int) -> dict[str, Any]:
+    import torch
+
+    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.plan import LoadSpec
+    from kvtier.vllm.worker import WorkerSide
+
+    out: dict[str, Any] = {"iters": iters, "sleep_cycles": sleep_cycles}
+    layout, src = _caches("7B", 512)
+    _, dst = _caches("7B", 512)
+    compute = torch.cuda.Stream()
+    torch.cuda.set_stream(compute)  # vLLM's model runner computes on a stream of its own
+    rng = random.Random(5)
+    blocks = CHUNK // BLOCK
+    payloads = []
+    for _ in range(4):
+        ids = rng.sample(range(512), blocks)
+        payloads.append((ids, BlockCopier(layout, src).gather(ids)))
+    for mode in ("before", "after"):
+        store = _Store()
+        real = BlockCopier(layout, dst, max_blocks=blocks, compute_stream=lambda c=compute: c)
+        copier: Any = _BeforeCopier(real) if mode == "before" else real
+        worker = WorkerSide(store, copier, timeout_secs=30)  # type: ignore[arg-type]
+        stale = 0
+        waited = []
+        for i in range(iters):
+            src_ids, payload = payloads[i % len(payloads)]
+            ids = rng.sample(range(512), blocks)
+            idx = torch.tensor(ids, device="cuda")
+            for t in dst:  # the blocks' previous content, on the compute stream
+                t.index_fill_(0, idx, 0)
+            with torch.cuda.stream(real._cuda.stream):
+                torch.cuda._sleep(sleep_cycles)  # the copy stream is busy (a save in flight)
+            store.held[f"c{i}"] = payload
+            req = f"r{i}"
+            t0 = time.perf_counter()
+            worker.load([LoadSpec(req, f"c{i}", blocks, 0, tuple(ids), CHUNK, background=True)])
+            while req not in worker.take_finished():
+                time.sleep(0.0001)
+            waited.append(time.perf_counter() - t0)
+            # The request's first forward: its blocks read on the compute stream.
+            src_idx = torch.tensor(src_ids, device="cuda")
+            same = all(
+                torch.equal(
+                    d.index_select(0, idx).view(torch.int16),
+                    s.index_select(0, src_idx).view(torch.int16),
+                )
+                for d, s in zip(dst, src, strict=True)
+            )
+            stale += not same
+            assert not worker.take_failed_blocks()
+        worker.close(5)
+        out[mode] = {
+            "stale_reads": stale,
+            "reported_after_ms_median": 1000 * statistics.median(waited),
+        }
+        print(
+            f"order {mode}: {stale} stale reads of {iters}; reported after "
+            f"{out[mode]['reported_after_ms_median']:.2f} ms (median)",
+            flush=True,
+        )
+    torch.cuda.set_stream(torch.cuda.default_stream())
+    return out
+
+
+def _plain(nbytes: int, pieces: int, to_host: bool) -> float:
+    """Seconds for a plain pinned copy of `pieces` pieces of `nbytes`, streamed."""
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    best = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k in range(pieces):
+            if to_host:
+                host[k % 2].copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host[k % 2], non_blocking=True)
+        torch.cuda.synchronize()
+        best.append(time.perf_counter() - t0)
+    return statistics.median(best)
+
+
+def saves(steps: int) -> dict[str, Any]:
+    import torch
+
+    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.plan import SaveSpec
+    from kvtier.vllm.worker import WorkerSide
+
+    out: dict[str, Any] = {}
+    chunks = STEP_TOKENS // CHUNK
+    blocks = CHUNK // BLOCK
+    for shape in SHAPES:
+        layout, kv = _caches(shape, 1024)
+        compute = torch.cuda.Stream()
+        torch.cuda.set_stream(compute)
+        store = _Store()
+        copier = BlockCopier(
+            layout,
+            kv,
+            max_blocks=blocks,
+            save_buffers=2 * (chunks + 1),
+            compute_stream=lambda c=compute: c,
+        )
+        worker = WorkerSide(store, copier, timeout_secs=30, save_wait_secs=0.005)  # type: ignore[arg-type]
+        rng = random.Random(3)
+        host_times = []
+        total_chunks = 0
+        t_start = None
+        for step in range(steps + 2):  # two warm-up steps
+            ids = rng.sample(range(1024), chunks * blocks)
+            specs = [
+                SaveSpec(
+                    f"r{step}", f"{step}-{k}", tuple(ids[k * blocks : (k + 1) * blocks]), CHUNK
+                )
+                for k in range(chunks)
+            ]
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(2_000_000)  # the step's forward, still running
+            if step == 2:
+                with store.done:
+                    store.done.wait_for(lambda s=store, n=2 * chunks: s.saved_chunks == n, 60)
+                torch.cuda.synchronize()
+                t_start = time.perf_counter()
+                base = store.saved_chunks
+            t0 = time.perf_counter()
+            worker.save(specs)
+            if step >= 2:
+                host_times.append(time.perf_counter() - t0)
+                total_chunks += chunks
+        with store.done:
+            store.done.wait_for(lambda s=store, n=base + total_chunks: s.saved_chunks == n, 120)
+        elapsed = time.perf_counter() - t_start  # type: ignore[operator]
+        nbytes = layout.payload_nbytes(blocks)
+        stats = worker.take_stats()
+        # The forwards' sleeps are on the compute stream, not the copy stream: the copies run
+        # beside them; the plain copy has no such wait, so the ratio is conservative.
+        plain = _plain(nbytes, total_chunks, to_host=True)
+        rate = total_chunks * nbytes / elapsed / 1e9
+        plain_rate = total_chunks * nbytes / plain / 1e9
+        out[shape] = {
+            "chunk_bytes": nbytes,
+            "step_bytes": chunks * nbytes,
+            "steps": steps,
+            "host_ms_median": 1000 * statistics.median(host_times),
+            "host_ms_max": 1000 * max(host_times),
+            "saved_GBps": rate,
+            "plain_d2h_GBps": plain_rate,
+            "ratio": rate / plain_rate,
+            "lent_views_only": store.lent_views,
+            "dropped_chunks": stats.get("save_dropped_chunks", 0),
+        }
+        print(f"saves {shape}: {out[shape]}", flush=True)
+        worker.close(30)
+        copier.close()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        del kv
+        torch.cuda.empty_cache()
+    return out
+
+
+def loads(reps: int) -> dict[str, Any]:
+    import torch
+
+    from kvtier.vllm.copier import BlockCopier
+
+    out: dict[str, Any] = {}
+    chunks = STEP_TOKENS // CHUNK
+    blocks = CHUNK // BLOCK
+    for shape in SHAPES:
+        layout, kv = _caches(shape, 1024)
+        compute = torch.cuda.Stream()
+        torch.cuda.set_stream(compute)
+        copier = BlockCopier(layout, kv, max_blocks=blocks, compute_stream=lambda c=compute: c)
+        rng = random.Random(4)
+        nbytes = layout.payload_nbytes(blocks)
+        payloads = [bytes(rng.randbytes(nbytes)) for _ in range(4)]
+        times = []
+        for _ in range(reps + 1):
+            ids = rng.sample(range(1024), chunks * blocks)
+            items = [
+                (payloads[k % 4], blocks, 0, ids[k * blocks : (k + 1) * blocks])
+                for k in range(chunks)
+            ]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copier.scatter_many(items)
+            compute.synchronize()
+            times.append(time.perf_counter() - t0)
+        took = statistics.median(times[1:])
+        plain = _plain(nbytes, chunks, to_host=False)
+        out[shape] = {
+            "chunk_bytes": nbytes,
+            "chunks": chunks,
+            "load_GBps": chunks * nbytes / took / 1e9,
+            "plain_h2d_GBps": chunks * nbytes / plain / 1e9,
+            "ratio": plain / took,
+        }
+        print(f"loads {shape}: {out[shape]}", flush=True)
+        copier.close()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        del kv
+        torch.cuda.empty_cache()
+    return out
+
+
+def lone(reps: int) -> dict[str, Any]:
+    import torch
+
+    from kvtier.vllm.copier import BlockCopier
+
+    layout, kv = _caches("7B", 1024)
+    blocks = CHUNK // BLOCK
+    copier = BlockCopier(layout, kv, max_blocks=blocks)
+    rng = random.Random(6)
+    nbytes = layout.payload_nbytes(blocks)
+    gathers, scatters = [], []
+    for _ in range(reps + 3):
+        ids = rng.sample(range(1024), blocks)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        buf = copier.gather_to_host(ids)
+        buf.view()
+        gathers.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copier.scatter_many([(buf, blocks, 0, ids)])
+        torch.cuda.current_stream().synchronize()
+        scatters.append(time.perf_counter() - t0)
+        buf.release()
+    d2h = _plain(nbytes, 1, to_host=True)
+    h2d = _plain(nbytes, 1, to_host=False)
+    g, s = statistics.median(gathers[3:]), statistics.median(scatters[3:])
+    out = {
+        "chunk_bytes": nbytes,
+        "gather_GBps": nbytes / g / 1e9,
+        "gather_ratio": d2h / g,
+        "scatter_GBps": nbytes / s / 1e9,
+        "scatter_ratio": h2d / s,
+        "plain_d2h_GBps": nbytes / d2h / 1e9,
+        "plain_h2d_GBps": nbytes / h2d / 1e9,
+    }
+    print(f"lone 7B chunk: {out}", flush=True)
+    copier.close()
+    return out
+
+
+def fp8() -> dict[str, Any]:
+    import torch
+
+    from kvtier.vllm.copier import BlockCopier
+
+    layout, src = _caches("7B", 256, torch.uint8)
+    _, dst = _caches("7B", 256, torch.uint8)
+    rng = random.Random(8)
+    exact = 0
+    for _ in range(20):
+        ids = rng.sample(range(256), 16)
+        target = rng.sample(range(256), 16)
+        payload = BlockCopier(layout, src).gather(ids)
+        BlockCopier(layout, dst).scatter(payload, 16, 0, target)
+        torch.cuda.synchronize()
+        exact += all(torch.equal(d[target], s[ids]) for d, s in zip(dst, src, strict=True))
+    out = {
+        "round_trips": 20,
+        "bit_exact": exact,
+        "dtype": layout.dtype,
+        "fingerprint_differs": True,
+    }
+    bf16 = _layout(*SHAPES["7B"])
+    out["fingerprint_differs"] = (
+        layout.fingerprint("m", 256, 0, 1, 1).digest()
+        != bf16.fingerprint("m", 256, 0, 1, 1).digest()
+    )
+    print(f"fp8: {out}", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--sleep-cycles", type=int, default=1_000_000)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--only", nargs="*", default=["order", "saves", "loads", "lone", "fp8"])
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--png", type=Path)
+    args = ap.parse_args()
+    if args.plot:
+        return _plot(args.plot, args.png)
+    import torch
+
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    runs = {
+        "order": lambda: stream_order(args.iters, args.sleep_cycles),
+        "saves": lambda: saves(args.steps),
+        "loads": lambda: loads(args.reps),
+        "lone": lambda: lone(30),
+        "fp8": fp8,
+    }
+    for name in args.only:
+        try:
+            result[name] = runs[name]()
+        except Exception as exc:  # one part failing still reports the others
+            import traceback
+
+            traceback.print_exc()
+            result[name] = {"error": repr(exc)}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_gpu_paths.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _plot(src: Path, png: Path | None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = json.loads(src.read_text())
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels, ours, plain = [], [], []
+    for shape in SHAPES:
+        if shape in r.get("saves", {}):
+            labels.append(f"save {shape}")
+            ours.append(r["saves"][shape]["saved_GBps"])
+            plain.append(r["saves"][shape]["plain_d2h_GBps"])
+        if shape in r.get("loads", {}):
+            labels.append(f"load {shape}")
+            ours.append(r["loads"][shape]["load_GBps"])
+            plain.append(r["loads"][shape]["plain_h2d_GBps"])
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], plain, 0.4, label="plain pinned copy")
+    ax.bar([i + 0.2 for i in x], ours, 0.4, label="kvtier (8K-token steps, streamed)")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"kvtier GPU paths on {r.get('gpu', '?')} ({r.get('when', '')})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png or src.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
