@@ -56,6 +56,7 @@ class Copier:
         self.bufs: list[Lent] = []
         self.fences = 0
         self.hold = False  # save buffers' copies land only when a test sets them
+        self.copies_in_background = True  # as on CUDA
 
     def gather(self, block_ids: Sequence[int]) -> bytes:
         return PAYLOAD
@@ -292,4 +293,13 @@ def test_a_load_of_a_chunk_still_being_saved_waits_for_the_save() -> None:
     )
     worker.load([spec])
     assert worker.take_failed_blocks() == set() and copier.written[-1] == (8, 9)
+    worker.close(1)
+
+
+def test_on_the_cpu_build_a_save_is_in_the_store_when_save_returns() -> None:
+    copier, store = Copier(), Store({})
+    copier.copies_in_background = False  # the CPU build's copy is done in the call
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    worker.save([_save("r", 0), _save("r", 1)])
+    assert [h for h, _ in store.put] == ["s0", "s1"]
     worker.close(1)

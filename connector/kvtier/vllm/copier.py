@@ -106,6 +106,12 @@ class BlockCopier:
                 compute_stream=compute_stream,
             )
 
+    @property
+    def copies_in_background(self) -> bool:
+        """Whether a gather returns before its copy has landed (CUDA: `HostBuffer.view()`
+        waits for it); on CPU the copy is done when `gather_to_host` returns."""
+        return self._cuda is not None
+
     def _gather_cpu(self, block_ids: Sequence[int]) -> Any:
         """`block_ids` of every layer as one uint8 CPU tensor, payload order."""
         import torch

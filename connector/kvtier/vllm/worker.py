@@ -7,16 +7,20 @@
   the background (``enable_async_loading``: the request waits outside the batch, vLLM's
   asynchronous load) run in a thread while the steps of the other requests go on; the request
   is reported done through ``take_finished``, with its failed blocks, and then scheduled.
-- Saves start in ``wait_for_save`` after the forward pass, which only queues each chunk's
-  copy out of its blocks (on CUDA into a slot of the pinned save pool, ordered before any
-  later kernel can overwrite the blocks; on CPU a memcpy per layer, done at once: vLLM may
-  reuse the blocks right after the step) and hands the buffers to the save thread. That
-  thread waits for the copies, gives each run (one S3 object) to the store, which checksums
-  it, copies it into the CPU tier and writes the slower tiers in the background from the
-  buffer itself; the buffer goes back to the pool once the last write has ended. When no save
-  slot comes free within ``save_wait_secs`` the rest of that request's chunks of the step are
-  not saved (counted: ``save_dropped_chunks``), so vLLM's thread never waits longer. A load of
-  a chunk whose save is still in the save thread waits for it (the CPU tier would miss it).
+- Saves start in ``wait_for_save`` after the forward pass. On CUDA it only queues each
+  chunk's copy out of its blocks into a slot of the pinned save pool (ordered before any later
+  kernel can overwrite the blocks) and hands the buffers to the save thread, which waits for
+  the copies and gives each run (one S3 object) to the store: it checksums the slot, copies it
+  into the CPU tier and writes the slower tiers in the background from the slot itself; the
+  slot goes back to the pool once the last write has ended. When no save slot comes free
+  within ``save_wait_secs`` the rest of that request's chunks of the step are not saved
+  (counted: ``save_dropped_chunks``), so vLLM's thread never waits longer. A load of a chunk
+  whose save is still in the save thread waits for it (the CPU tier would miss it). On the
+  CPU build the copy out is a memcpy per layer that the step waits for anyway (vLLM may reuse
+  the blocks right after it), and the same hand-over to the store runs inline: in a thread it
+  only contends for the same cores and the GIL (measured: with TP 2 on two cores a warm
+  round slowed to the cold round's time-to-first-token while another request's saves ran
+  beside it).
 Every failure here is a miss (logged with its cause), never an exception into vLLM.
 """
 
@@ -88,9 +92,13 @@ class WorkerSide:
         self._counters: dict[str, float] = {}
         self._samples: dict[str, list[float]] = {}
         self._load_ended: float | None = None
-        # Saves after wait_for_save: one thread, in step order. `_saving`: chunk hash -> how
-        # many of its saves are still in that thread (a load of it waits for them).
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+        # Saves after wait_for_save (CUDA): one thread, in step order. `_saving`: chunk hash ->
+        # how many of its saves are still in that thread (a load of it waits for them).
+        self._saver = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+            if copier.copies_in_background
+            else None
+        )
         self._saving: dict[str, int] = {}
         self._saved = threading.Condition(self._lock)
         # Counters from here on; the tiers' fill (a gauge built from deltas) whole, from zero.
@@ -304,10 +312,14 @@ class WorkerSide:
             with self._lock:
                 for spec, _ in queued:
                     self._saving[spec.chunk_hash] = self._saving.get(spec.chunk_hash, 0) + 1
-            try:
-                self._saver.submit(self._store_saves, queued)
-            except RuntimeError:  # closing: nothing is saved any more
-                self._saves_ended(queued)
+            if self._saver is None:
+                self._store_saves(queued)
+            else:
+                try:
+                    self._saver.submit(self._store_saves, queued)
+                except RuntimeError:  # closing: nothing is saved any more
+                    _release(queued)
+                    self._saves_ended(queued)
         self._sample("save_copy_seconds", time.perf_counter() - start)
 
     def _store_saves(self, queued: list[tuple[SaveSpec, HostBuffer]]) -> None:
@@ -362,7 +374,8 @@ class WorkerSide:
     def close(self, timeout: float) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._background.shutdown(wait=False, cancel_futures=True)
-        self._saver.shutdown(wait=True)  # the steps' saves reach the store, then it flushes
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)  # the steps' saves reach the store, then it flushes
         self.store.close(timeout)
 
 
