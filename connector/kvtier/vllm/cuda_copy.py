@@ -247,10 +247,7 @@ class CudaBlockCopier:
         after: Any = None,
         wait: bool = False,
     ) -> None:
-        """Write the payloads' blocks. ``after``: a `fence` to order the writes after (a
-        background load; default: the compute stream's work so far). ``wait``: return once
-        the blocks are written (a background load reports its request only then); else the
-        compute stream waits for the writes and the host does not."""
+        """`kvtier.vllm.copier.BlockCopier.scatter_many` on CUDA (``after``, ``wait``: there)."""
         if not items:
             return
         for payload, stored, first, block_ids in items:

@@ -42,7 +42,12 @@ CASES = [
 LAYERS, HEADS, BLOCK, HEAD, NUM_BLOCKS = 4, 4, 16, 128, 64
 
 
-def _caches(cache_layout: str, backend: str = "FLASH_ATTN") -> tuple[KVLayout, list[object]]:
+def _caches(
+    cache_layout: str, backend: str = "FLASH_ATTN", dtype: object = None
+) -> tuple[KVLayout, list[object]]:
+    """KV caches as vLLM 0.32 registers them, random bits; bf16, or ``torch.uint8`` pages as
+    vLLM allocates them for ``--kv-cache-dtype fp8`` (the layout then names fp8_e4m3)."""
+    fp8 = dtype == torch.uint8
     tensors = vk.allocate_kv_caches(
         cache_layout,
         num_layers=LAYERS,
@@ -50,13 +55,12 @@ def _caches(cache_layout: str, backend: str = "FLASH_ATTN") -> tuple[KVLayout, l
         num_kv_heads=HEADS,
         block_size=BLOCK,
         head_size=HEAD,
-        dtype=torch.bfloat16,
+        dtype=dtype or torch.bfloat16,
         device="cuda",
     )
     for t in tensors:  # every bit pattern, NaNs included: compared as int16, never as floats
-        t.view(torch.int16).copy_(
-            torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda")
-        )
+        bits = t.view(torch.int16)
+        bits.copy_(torch.randint(-(2**15), 2**15, bits.shape, dtype=torch.int16, device="cuda"))
     layout = cuda_kv_layout(
         backend=backend,
         cache_layout=cache_layout,
@@ -65,8 +69,8 @@ def _caches(cache_layout: str, backend: str = "FLASH_ATTN") -> tuple[KVLayout, l
         num_states=BLOCK,
         content_elems=2 * HEAD,
         common={
-            "dtype": "bfloat16",
-            "itemsize": 2,
+            "dtype": "fp8_e4m3" if fp8 else "bfloat16",
+            "itemsize": 1 if fp8 else 2,
             "layer_names": tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
             "num_kv_heads": HEADS,
             "head_size": HEAD,
@@ -280,37 +284,11 @@ def test_a_background_load_returns_once_its_blocks_are_written() -> None:
 
 def test_an_fp8_kv_cache_round_trips_bit_exact() -> None:
     """--kv-cache-dtype fp8: vLLM allocates uint8 pages; every bit pattern comes back."""
-    tensors = vk.allocate_kv_caches(
-        "LBNHC",
-        num_layers=LAYERS,
-        num_blocks=NUM_BLOCKS,
-        num_kv_heads=HEADS,
-        block_size=BLOCK,
-        head_size=HEAD,
-        dtype=torch.uint8,
-        device="cuda",
-    )
-    for t in tensors:
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda"))
-    layout = cuda_kv_layout(
-        backend="FLASH_ATTN",
-        cache_layout="LBNHC",
-        layer_view_order=vk.layer_view_order("LBNHC"),
-        num_heads=HEADS,
-        num_states=BLOCK,
-        content_elems=2 * HEAD,
-        common={
-            "dtype": "fp8_e4m3",
-            "itemsize": 1,
-            "layer_names": tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)),
-            "num_kv_heads": HEADS,
-            "head_size": HEAD,
-            "block_size": BLOCK,
-        },
-    )
-    src = check_tensors(layout, dict(zip(layout.layer_names, tensors, strict=True)))
-    dst = [torch.zeros_like(t) for t in src]
+    layout, src = _caches("LBNHC", dtype=torch.uint8)
+    _, dst = _caches("LBNHC", dtype=torch.uint8)
+    assert layout.dtype == "fp8_e4m3"
     ids, target = [2, 4, 6], [40, 41, 42]
+    before = [d.clone() for d in dst]
     BlockCopier(layout, dst).scatter(BlockCopier(layout, src).gather(ids), 3, 0, target)
     torch.cuda.synchronize()
-    assert all(torch.equal(d[target], s[ids]) for d, s in zip(dst, src, strict=True))
+    _assert_moved(src, ids, dst, before, target)
