@@ -158,7 +158,7 @@ class CudaBlockCopier:
             if pool is not None and nbytes <= pool.slot_bytes:
                 return pool
             slot_bytes = max(
-                nbytes, *(p.slot_bytes for p in (self._pool, self._save_pool) if p is not None)
+                [nbytes, *(p.slot_bytes for p in (self._pool, self._save_pool) if p is not None)]
             )
             if pool is not None:
                 self.stream.synchronize()
@@ -171,7 +171,11 @@ class CudaBlockCopier:
             if self._staging is None or slot_bytes > self._staging.numel():
                 self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
                 blocks = slot_bytes // (self.layout.num_layers * self.layout.block_nbytes)
-                self._ids = _IdsRing(max(1, blocks), self.device)
+                # A row per copy that can be in flight (every slot of both pools, and a
+                # margin): a step queues all its gathers at once, and reusing a row the copy
+                # stream has not read yet would make the host wait for it.
+                entries = self._slots + self._save_slots + 8
+                self._ids = _IdsRing(max(1, blocks), self.device, entries)
             if saves:
                 self._save_pool = PinnedPool(slot_bytes, self._save_slots)
                 return self._save_pool
@@ -358,7 +362,7 @@ class CudaBlockCopier:
 #: Pageable -> pinned bounces are split over this many threads: one thread's memcpy (10-20
 #: GB/s) is slower than the host -> device link, and vLLM runs its workers with one torch
 #: thread. torch's copy releases the GIL.
-_BOUNCE_THREADS = 4
+_BOUNCE_THREADS = 8
 _BOUNCE_MIN_BYTES = 4 << 20
 _bounce_pool: Any = None
 _bounce_lock = threading.Lock()
