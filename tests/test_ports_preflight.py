@@ -79,6 +79,25 @@ def test_vllm_server_port_taken(port: int, host: str) -> None:
     )
 
 
+@pytest.mark.parametrize("variable", ["endpoint", "replay_endpoint"])
+def test_vllm_server_kv_events_port_taken(port: int, variable: str) -> None:
+    # vLLM binds tcp://*:PORT on every IPv4 address, the replay endpoint at its address.
+    endpoint = f"tcp://*:{port}" if variable == "endpoint" else f"tcp://127.0.0.1:{port}"
+    address = "0.0.0.0" if variable == "endpoint" else "127.0.0.1"
+    extra_vars: dict[str, object] = {
+        "vllm_server_kv_events_enabled": True,
+        "vllm_server_kv_events_endpoint": f"tcp://*:{_free_port()}",
+    }
+    extra_vars[f"vllm_server_kv_events_{variable}"] = endpoint  # the one on the held port
+    done = run_playbook("site.yml", extra_vars, "--tags", "vllm_server_preflight")
+    assert_fails_in_preflight(
+        done,
+        r"A port vLLM binds for its KV events is taken by another process\. "
+        rf"vllm_server_kv_events_{variable}: {re.escape(endpoint)} \({address}:{port}\) "
+        + _held_by_me(f"vllm_server_kv_events_{variable}"),
+    )
+
+
 def test_s3_balancer_port_taken(port: int) -> None:
     done = run_playbook(
         "site.yml",

@@ -4,7 +4,10 @@ message that names the variable (and, for versions, both versions). Runs the rea
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +108,65 @@ CASES = {
         {"vllm_server_kvtier_request_namespaces": ["default"]},
         r"must not list the production namespace 'default'",
     ),
+    "KV events endpoint that is not ZMQ tcp or ipc": (
+        {"vllm_server_kv_events_enabled": True, "vllm_server_kv_events_endpoint": "http://*:5557"},
+        r"vllm_server_kv_events_endpoint 'http://\*:5557' is not an endpoint vLLM's KV events "
+        r"publisher takes: set it to tcp://\*:PORT .* with PORT 1-65535, e\.g\. tcp://\*:5557",
+    ),
+    "KV events endpoint with a port out of range": (
+        {"vllm_server_kv_events_enabled": True, "vllm_server_kv_events_endpoint": "tcp://*:70000"},
+        r"vllm_server_kv_events_endpoint 'tcp://\*:70000' is not an endpoint vLLM's KV events "
+        r"publisher takes",
+    ),
+    "KV events endpoint on an IPv6 address": (
+        {
+            "vllm_server_kv_events_enabled": True,
+            "vllm_server_kv_events_endpoint": "tcp://[::1]:5557",
+        },
+        r"vllm_server_kv_events_endpoint 'tcp://\[::1\]:5557' is not an endpoint .* IPv6 "
+        r"addresses do not work",
+    ),
+    "KV events port equal to the server's port": (
+        {
+            "vllm_server_kv_events_enabled": True,
+            "vllm_server_kv_events_endpoint": "tcp://*:8100",
+            "vllm_server_port": 8100,
+        },
+        r"vllm_server_kv_events_endpoint 'tcp://\*:8100' \(port 8100\) and vllm_server_port 8100 "
+        r"\(the HTTP server's\) must each use a port of their own\. Set "
+        r"vllm_server_kv_events_endpoint so that no two share a port, e\.g\. tcp://\*:5557\.",
+    ),
+    "KV events replay port equal to the events port": (
+        {
+            "vllm_server_kv_events_enabled": True,
+            "vllm_server_kv_events_endpoint": "tcp://*:5557",
+            "vllm_server_kv_events_replay_endpoint": "tcp://*:5557",
+        },
+        r"vllm_server_kv_events_endpoint 'tcp://\*:5557' \(port 5557\), "
+        r"vllm_server_kv_events_replay_endpoint 'tcp://\*:5557' \(port 5557\) and "
+        r"vllm_server_port \d+ \(the HTTP server's\) must each use a port of their own",
+    ),
+    "KV events replay endpoint on a host name": (
+        {
+            "vllm_server_kv_events_enabled": True,
+            "vllm_server_kv_events_replay_endpoint": "tcp://router.example:5558",
+        },
+        r"vllm_server_kv_events_replay_endpoint 'tcp://router\.example:5558' is not an endpoint "
+        r"vLLM can bind its replay socket to",
+    ),
+    "KV events topic with a space": (
+        {"vllm_server_kv_events_enabled": True, "vllm_server_kv_events_topic": "kv events"},
+        r"vllm_server_kv_events_topic 'kv events' must be non-empty and without spaces",
+    ),
+    "KV events configuration among the extra arguments": (
+        {
+            "vllm_server_kv_events_enabled": True,
+            "vllm_server_extra_args": ["--kv-events-config", '{"enable_kv_cache_events": true}'],
+        },
+        r"vllm_server_extra_args gives --kv-events-config while vllm_server_kv_events_enabled is "
+        r"true, which passes --kv-events-config itself\. Remove it from vllm_server_extra_args and "
+        r"set vllm_server_kv_events_endpoint",
+    ),
 }
 
 
@@ -178,3 +240,74 @@ def test_tensor_parallelism_with_mp_and_a_core_group_per_rank_passes() -> None:
         }
     )
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+# The role's preflight (its variables kept for the play), then its start script rendered to
+# `_test_script`: the command line exactly as the server would get it.
+RENDER_START_SCRIPT = """\
+- name: Render the vLLM server's start script
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: The role's preflight and variables
+      ansible.builtin.include_role:
+        name: vllm_server
+        tasks_from: preflight
+        public: true
+    - name: Serving user is looked up
+      ansible.builtin.getent:
+        database: passwd
+        key: "{{ vllm_server_user }}"
+        fail_key: false
+    - name: Start script is rendered
+      ansible.builtin.template:
+        src: "{{ _test_role }}/templates/vllm-server.sh.j2"
+        dest: "{{ _test_script }}"
+        mode: "0644"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_command(tmp_path: Path, extra_vars: dict[str, object]) -> list[str]:
+    """argv of the server as the rendered start script runs it (`exec python -m ...`)."""
+    playbook, script = tmp_path / "render.yml", tmp_path / "start.sh"
+    playbook.write_text(RENDER_START_SCRIPT)
+    done = run_playbook(
+        str(playbook), {**extra_vars, "_test_role": str(ROLE), "_test_script": str(script)}
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    text = script.read_text()
+    return shlex.split(text[text.index("\nexec ") :].replace("\\\n", " "))
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_kv_events_config_is_on_the_command_line_only_when_enabled(
+    tmp_path: Path, enabled: bool
+) -> None:
+    endpoint, replay = f"tcp://*:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    argv = start_command(
+        tmp_path,
+        {
+            "vllm_server_kv_events_enabled": enabled,
+            "vllm_server_kv_events_endpoint": endpoint,
+            "vllm_server_kv_events_replay_endpoint": replay,
+        },
+    )
+    assert argv[:4] == ["exec", argv[1], "-m", "vllm.entrypoints.openai.api_server"], argv
+    assert "--kv-transfer-config" in argv
+    if not enabled:
+        assert "--kv-events-config" not in argv
+        return
+    assert argv.count("--kv-events-config") == 1
+    assert json.loads(argv[argv.index("--kv-events-config") + 1]) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": "kv",
+        "replay_endpoint": replay,
+    }

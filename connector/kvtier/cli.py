@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.bench.cli",  # bench store|ttft|longdoc|compare
     "kvtier.plan.cli",  # plan (tier sizes -> hit rate, TTFT, RGW load)
     "kvtier.explain.cli",  # explain (where prompts stop sharing a prefix; what the cache holds)
+    "kvtier.kvevents.cli",  # events (vLLM's KV-event stream, as a router sees it)
 )
 
 

@@ -127,6 +127,18 @@ class TieredStore:
         self._warnings = RateLimitedLog(log)
         self._closed = False
         self._stats_file = StatsFile(stats_dir, stats_interval, self.stats) if stats_dir else None
+        #: ("stored" | "removed", tier name, key) for each chunk written to, evicted from or
+        #: dropped by a tier (KV events for routers: kvtier.vllm.events); None: off.
+        self._on_chunk: Callable[[str, str, str], None] | None = None
+
+    def report_chunks(self, callback: Callable[[str, str, str], None]) -> None:
+        """Call ``callback(kind, tier, key)`` for each chunk a tier stores ("stored", once the
+        write has succeeded), does not store ("failed": the write failed or was dropped) or
+        loses ("removed": evicted, or dropped as damaged). It runs in the writing or evicting
+        thread: it must be quick and never raise."""
+        self._on_chunk = callback
+        for tier in self.tiers:
+            tier.on_evict = partial(callback, "removed", tier.name)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -313,6 +325,8 @@ class TieredStore:
             (tier.name, exc.cause), f"dropping {key} from {tier.name}: {exc} ({exc.cause})"
         )
         self._guard(tier, "delete", key, partial(tier.delete, key), None)
+        if self._on_chunk is not None:
+            self._on_chunk("removed", tier.name, key)
 
     def _count_read(self, tier: Tier, seconds: float, payloads: Sequence[bytes | None]) -> None:
         with self._lock:
@@ -432,6 +446,9 @@ class TieredStore:
             if ok:
                 ts.puts += len(items)
                 ts.bytes_written += sum(len(h) + len(p) for _, (h, p) in items)
+        if self._on_chunk is not None:
+            for written, _ in items:
+                self._on_chunk("stored" if ok else "failed", tier.name, written)
 
     def _write_async(
         self, tier: Tier, items: Sequence[tuple[str, Stored]], latch: _Latch | None = None
@@ -443,6 +460,9 @@ class TieredStore:
         if not self._writer.submit(size, write):
             if latch is not None:
                 latch.done()
+            if self._on_chunk is not None:
+                for dropped, _ in items:
+                    self._on_chunk("failed", tier.name, dropped)
             with self._lock:  # over the caps (or closing): skipped and counted, never waited for
                 self._stats.dropped_writes += len(items)
                 errs = self._stats.tiers[tier.name].errors

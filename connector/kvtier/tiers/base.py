@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import io
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvtier.format import encode_chunk_list
@@ -85,6 +85,10 @@ class Tier(ABC):
     name: str = "tier"
     #: A tier over the network (S3): searched with few requests, behind a circuit breaker.
     remote: bool = False
+    #: Called with the key of each chunk the tier evicts to stay under its cap (set when KV
+    #: events are on: kvtier.vllm.events). It may run under the tier's lock: it must be quick,
+    #: never raise and never call the tier.
+    on_evict: Callable[[str], None] | None = None
 
     @abstractmethod
     def contains(self, key: str) -> bool:

@@ -40,14 +40,19 @@ class CpuTier(Tier):
         size = len(header) + len(payload)
         if size > self.capacity_bytes:
             raise TierError("too_large", f"{size} bytes exceed the CPU tier cap")
+        evicted: list[str] = []
         with self._lock:
             self._forget_locked(key)
             while self._used + size > self.capacity_bytes and self._items:
-                _, (h, p) = self._items.popitem(last=False)
+                old, (h, p) = self._items.popitem(last=False)
                 self._used -= len(h) + len(p)
                 self._evictions += 1
+                evicted.append(old)
             self._items[key] = (header, payload)
             self._used += size
+        if self.on_evict is not None:
+            for old in evicted:
+                self.on_evict(old)
 
     def _forget_locked(self, key: str) -> None:
         old = self._items.pop(key, None)

@@ -150,22 +150,24 @@ class DiskTier(Tier):
         """Drop LRU entries until ``need`` more bytes fit under the cap; return their paths."""
         victims: list[str] = []
         while self._index and self._used + need > self.capacity_bytes:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
-            self._evictions += 1
-            victims.append(self._path(key))
+            victims.append(self._evict_one_locked())
         return victims
 
     def _evict_bytes_locked(self, nbytes: int) -> list[str]:
         victims: list[str] = []
-        freed = 0
-        while self._index and freed < nbytes:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
-            self._evictions += 1
-            freed += size
-            victims.append(self._path(key))
+        freed = self._used
+        while self._index and freed - self._used < nbytes:
+            victims.append(self._evict_one_locked())
         return victims
+
+    def _evict_one_locked(self) -> str:
+        """The LRU entry dropped from the index; its path (the caller unlinks it)."""
+        key, size = self._index.popitem(last=False)
+        self._used -= size
+        self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)  # a bounded append (kvtier.vllm.events), fine under the lock
+        return self._path(key)
 
     # ---- Tier interface
     def contains(self, key: str) -> bool:

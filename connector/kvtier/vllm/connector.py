@@ -34,6 +34,7 @@ from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
 from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports, events_enabled
 from kvtier.vllm.identity import RequestIdentity, Uncacheable
 from kvtier.vllm.layout import KVLayout, LayoutError, check_tensors, expected_layout
 from kvtier.vllm.plan import StepPlan
@@ -146,6 +147,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookups: RemoteLookups | None = None
         self._last_lookup_stats = StoreStats()
         self._worker: WorkerSide | None = None
+        #: KV events for routers (kvtier.vllm.events), when vLLM's are on: the scheduler's
+        #: publisher and the requests whose saved chunks it describes; the worker's reports.
+        self._events_on = events_enabled(vllm_config)
+        self._publisher: EventPublisher | None = None
+        self._event_requests: dict[str, Any] = {}
+        self._reports: WorkerReports | None = None
+        self._tp_size = tp_size
         #: What keys a request's identity beyond its tokens (scheduler side).
         self._identity = RequestIdentity(self.cfg.chunk_size, self.cfg.save_unfull_chunk)
         #: Reasons to serve a request without kvtier that were logged already (once each).
@@ -198,6 +206,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
         blocks = cfg.chunk_size // self.layout.block_size
         blob = self.layout.payload_nbytes(blocks) + HEADER_SIZE
+        if self._events_on:
+            self._publisher = EventPublisher(
+                self.layout.block_size,
+                cfg.chunk_size,
+                ranks=self._tp_size,
+                background_tiers=bool(cfg.disk_bytes) + bool(cfg.remote_url),
+            )
         self._scheduler = SchedulerSide(
             chunk_size=cfg.chunk_size,
             block_size=self.layout.block_size,
@@ -227,6 +242,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if store is None:
             return  # no tier left to use (logged): served without kvtier
+        if self._events_on:
+            self._reports = WorkerReports(self.cfg.namespace)
+            store.report_chunks(self._reports)
         blocks = self.cfg.chunk_size // self.layout.block_size
         cuda = bool(tensors) and tensors[0].device.type == "cuda"
         self._worker = WorkerSide(
@@ -289,6 +307,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             namespace,
             extras,
         )
+        if self._publisher is not None and namespace is None and n is not None:
+            self._event_requests[request.request_id] = request
+            gap = self._scheduler.missing_remotely(request.request_id)
+            if gap is not None:  # announced in S3 before, gone now (purged, expired)
+                self._publisher.missing_remotely(gap)
         background = bool(n) and self._scheduler.loads_in_background(request.request_id)
         return n, background
 
@@ -350,18 +373,42 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_computed_tokens=cached.num_computed_tokens[i],
                 num_scheduled_tokens=num_scheduled.get(req_id, 0),
             )
-        return KvtierMetadata(plan=sched.take_plan())
+        plan = sched.take_plan()
+        if self._publisher is not None:  # what the chunks saved or loaded (and promoted) cover
+            bs = self.layout.block_size
+            self._publisher.expect_saves(sum(s.req_id in self._event_requests for s in plan.saves))
+            chunks = [(s.req_id, s.chunk_hash, s.index, s.num_tokens) for s in plan.saves]
+            chunks += [(s.req_id, s.chunk_hash, s.index, s.stored_blocks * bs) for s in plan.loads]
+            for req_id, digest, index, num_tokens in chunks:
+                request = self._event_requests.get(req_id)
+                if request is not None:
+                    self._publisher.remember(digest, request, index, num_tokens)
+        return KvtierMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if self._scheduler is not None and invalid:
             self._scheduler.loads_failed(set(invalid))
+        reports = getattr(connector_output, "kv_cache_events", None)
+        if self._publisher is not None and isinstance(reports, ChunkEvents):
+            self._publisher.from_workers(reports.reports)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while background writes of this process's saves have not
+        reported (their events are published in a step; kvtier.vllm.events)."""
+        return self._publisher is not None and self._publisher.waiting_for_reports()
+
+    def take_events(self) -> list[Any]:
+        """kvtier's BlockStored / BlockRemoved since the last call (vLLM publishes them with
+        its own KV events)."""
+        return self._publisher.take() if self._publisher is not None else []
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
             self._scheduler.finished(request.request_id)
+        self._event_requests.pop(request.request_id, None)
         # Saves copy their blocks out within the step, so the blocks can be freed now.
         return False, None
 
@@ -399,6 +446,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None, None
         return None, self._worker.take_finished() or None
 
+    def get_kv_connector_kv_cache_events(self) -> ChunkEvents | None:
+        """The worker's reports of chunks its tiers stored or lost since the last step (the
+        scheduler side turns them into KV events)."""
+        return self._reports.take() if self._reports is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
@@ -406,8 +458,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
         if self._worker is not None:
             data: dict[str, Any] = self._worker.take_stats()
+            if self._reports is not None:
+                data["kv_events_dropped"] = self._reports.take_dropped()
         elif self._scheduler is not None:
             data = self._scheduler.counters.take()
+            if self._publisher is not None:
+                published, dropped = self._publisher.take_counts()
+                data.update(kv_events_published=published, kv_events_dropped=dropped)
             if self._lookup_store is not None:
                 now = self._lookup_store.stats()
                 # Lookups only: the worker's store reports how full the tiers are.

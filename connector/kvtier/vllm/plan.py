@@ -25,6 +25,8 @@ class LoadSpec:
     object_hash: str = ""
     position: int = 0
     background: bool = False
+    #: The chunk's index in its prompt (for KV events: the blocks it covers).
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     num_tokens: int
     object_hash: str = ""
+    #: The chunk's index in its prompt (for KV events: the blocks it covers).
+    index: int = 0
 
 
 @dataclass

@@ -317,6 +317,14 @@ class SchedulerSide:
             "prefix_divergence", divergence.message(req_id, self.chunk_size)
         )
 
+    def missing_remotely(self, req_id: str) -> str | None:
+        """The chunk id at which the remote tier, asked by the request's lookup, said the
+        prompt's stored prefix ends (None: not asked, no answer, or nothing missing)."""
+        st = self._reqs.get(req_id)
+        if st is None or st.found_chunks is None or st.remote.requests == 0:
+            return None
+        return st.hashes[st.remote.found] if st.remote.found < len(st.hashes) else None
+
     def loads_in_background(self, req_id: str) -> bool:
         """Whether the request's planned loads run outside the batch (vLLM's asynchronous
         load): with ``background_loads``, when the remote tier serves some of them (local
@@ -434,6 +442,7 @@ class SchedulerSide:
                 object_hash=st.hashes[object_first],
                 position=position,
                 background=background,
+                index=k,
             )
             self._plan.loads.append(spec)
             self.cpu_index.add(spec.chunk_hash)  # the worker's get() promotes it into CPU
@@ -483,7 +492,9 @@ class SchedulerSide:
                 first + num_blocks,
             )
             return False
-        self._plan.saves.append(SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens, run))
+        self._plan.saves.append(
+            SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens, run, index=k)
+        )
         self.cpu_index.add(st.hashes[k])
         self.counters.planned_save_chunks += 1
         return True

@@ -102,6 +102,16 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Chunks not saved: no pinned save buffer came free within save_wait_secs (CUDA).",
     ),
     ("kvtier:save_failed_chunks", "save_failed_chunks", "Chunks whose copy out failed."),
+    (
+        "kvtier:kv_events_published",
+        "kv_events_published",
+        "KV events (BlockStored, BlockRemoved) kvtier handed to vLLM's publisher.",
+    ),
+    (
+        "kvtier:kv_events_dropped",
+        "kv_events_dropped",
+        "KV events or workers' reports dropped: over the bounds, or of chunks no longer known.",
+    ),
     ("kvtier:remote_lookups", "remote_lookups", "Lookups that asked the remote tier."),
     (
         "kvtier:remote_lookup_requests",
