@@ -30,22 +30,11 @@ OUT = Path(__file__).resolve().parents[3] / "reports"
 
 
 def test_kv_events_cost_the_first_token_nothing(servers: Servers, s3_target: S3Target) -> None:
-    from test_e2e_kv_events import Subscriber
+    from test_e2e_kv_events import Subscriber, kv_events_args
 
     port = free_port()
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
-        "topic": "kv",
-    }
     tiers = s3_target.kvtier(local_cpu=True, max_local_cpu_size=0.5)
-    on = servers.make(
-        "events-on",
-        tiers,
-        env=s3_target.env,
-        extra_args=("--kv-events-config", json.dumps(events)),
-    )
+    on = servers.make("events-on", tiers, env=s3_target.env, extra_args=kv_events_args(port))
     off = servers.make("events-off", tiers, env=s3_target.env)
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     ttft: dict[str, list[float]] = {"on": [], "off": []}

@@ -100,20 +100,25 @@ def _hashes(events: list[KVEvent], medium: str) -> set[Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def stream(servers: Servers, s3_target: S3Target) -> Iterator[dict[str, Any]]:
-    port = free_port()
+def kv_events_args(port: int) -> tuple[str, ...]:
+    """vLLM's arguments for KV events published on ``port`` (ZMQ, topic "kv")."""
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{port}",
         "topic": "kv",
     }
+    return ("--kv-events-config", json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def stream(servers: Servers, s3_target: S3Target) -> Iterator[dict[str, Any]]:
+    port = free_port()
     server = servers.make(
         "kv-events",
         s3_target.kvtier(local_cpu=True, max_local_cpu_size=CPU_GIB),
         env=s3_target.env,
-        extra_args=("--kv-events-config", json.dumps(config)),
+        extra_args=kv_events_args(port),
     )
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     time.sleep(0.5)  # a SUB socket misses what is published before it has joined
