@@ -247,7 +247,11 @@ def _plain(nbytes: int, pieces: int, to_host: bool) -> float:
     return statistics.median(best)
 
 
-def saves(steps: int) -> dict[str, Any]:
+def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
+    """``forward_ms`` 0: steps back to back (the save path's rate); else each step's forward
+    runs that long on the compute stream and the host waits for it before the next step, as
+    vLLM waits for a step's output (the host time of a step's saves, the copies riding
+    beside the next forward)."""
     import torch
 
     from kvtier.vllm.copier import BlockCopier
@@ -282,8 +286,8 @@ def saves(steps: int) -> dict[str, Any]:
                 )
                 for k in range(chunks)
             ]
-            with torch.cuda.stream(compute):
-                torch.cuda._sleep(2_000_000)  # the step's forward, still running
+            with torch.cuda.stream(compute):  # the step's forward, still running
+                torch.cuda._sleep(int(forward_ms * 1.98e6) if forward_ms else 2_000_000)
             if step == 2:
                 with store.done:
                     store.done.wait_for(lambda s=store, n=2 * chunks: s.saved_chunks == n, 60)
@@ -295,6 +299,8 @@ def saves(steps: int) -> dict[str, Any]:
             if step >= 2:
                 host_times.append(time.perf_counter() - t0)
                 total_chunks += chunks
+            if forward_ms:
+                compute.synchronize()  # vLLM waits for the step's output
         stats = worker.take_stats()
         dropped = int(stats.get("save_dropped_chunks", 0))
         with store.done:
@@ -311,6 +317,7 @@ def saves(steps: int) -> dict[str, Any]:
         plain_rate = total_chunks * nbytes / plain / 1e9
         name = f"{shape}{' +checksum' if summed else ''}"
         out[name] = {
+            "forward_ms": forward_ms,
             "checksum_in_sink": summed,
             "chunk_bytes": nbytes,
             "step_bytes": chunks * nbytes,
@@ -464,6 +471,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--sleep-cycles", type=int, default=20_000_000)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--forward-ms", type=float, default=0.0)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=["order", "saves", "loads", "lone", "fp8"])
     ap.add_argument("--plot", type=Path)
@@ -481,7 +489,7 @@ def main() -> int:
     }
     runs = {
         "order": lambda: stream_order(args.iters, args.sleep_cycles),
-        "saves": lambda: saves(args.steps),
+        "saves": lambda: saves(args.steps, args.forward_ms),
         "loads": lambda: loads(args.reps),
         "lone": lambda: lone(30),
         "fp8": fp8,
