@@ -127,8 +127,8 @@ class TieredStore:
         self._warnings = RateLimitedLog(log)
         self._closed = False
         self._stats_file = StatsFile(stats_dir, stats_interval, self.stats) if stats_dir else None
-        #: ("stored" | "removed", tier name, key) for each chunk written to, evicted from or
-        #: dropped by a tier (KV events for routers: kvtier.vllm.events); None: off.
+        #: Called with ("stored" | "failed" | "removed", tier name, key) for each chunk a tier
+        #: writes, fails to write, evicts or drops (KV events: `report_chunks`); None: off.
         self._on_chunk: Callable[[str, str, str], None] | None = None
 
     def report_chunks(self, callback: Callable[[str, str, str], None]) -> None:

@@ -155,8 +155,8 @@ class DiskTier(Tier):
 
     def _evict_bytes_locked(self, nbytes: int) -> list[str]:
         victims: list[str] = []
-        freed = self._used
-        while self._index and freed - self._used < nbytes:
+        before = self._used
+        while self._index and before - self._used < nbytes:
             victims.append(self._evict_one_locked())
         return victims
 

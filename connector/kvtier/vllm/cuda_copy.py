@@ -199,7 +199,7 @@ class CudaBlockCopier:
     ) -> PinnedHostBuffer:
         """A save slot holding `block_ids` of every layer once the copy lands (``view()``
         waits). A slot is waited for up to `wait_secs` (default: the pool's bound), then
-        `kvtier.vllm.pinned.SlotsBusy` is raised."""
+        `kvtier.vllm.copier.SlotsBusy` is raised."""
         n = len(block_ids)
         nbytes = self.layout.payload_nbytes(n)
         pool = self._ensure_capacity(nbytes, saves=True)
@@ -226,7 +226,7 @@ class CudaBlockCopier:
     def gather_iter(
         self, block_id_lists: Sequence[Sequence[int]]
     ) -> Iterator[tuple[int, PinnedHostBuffer]]:
-        ahead = max(1, self._slots - 1)
+        ahead = max(1, self._save_slots - 1)  # gathers hold save slots
         queued: deque[tuple[int, PinnedHostBuffer]] = deque()
         try:
             for i, ids in enumerate(block_id_lists):

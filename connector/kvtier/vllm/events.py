@@ -215,8 +215,8 @@ class EventPublisher:
             self._chunks.popitem(last=False)
 
     # ------------------------------------------------------------------ reports -> events
-    def from_workers(self, reports: Sequence[Report], workers: int = 1) -> None:
-        """One step's reports of ``workers`` workers (one per rank and fact)."""
+    def from_workers(self, reports: Sequence[Report]) -> None:
+        """One step's reports of every worker (one per rank and fact)."""
         for kind, tier, digest in reports:
             if tier != "cpu" and kind in ("stored", "failed"):
                 self._expected = max(0, self._expected - 1)
@@ -272,10 +272,6 @@ class EventPublisher:
             return
         self._events.append(event)
         self.published += 1
-
-    def announced(self, digest: str, medium: str) -> bool:
-        chunk = self._chunks.get(digest)
-        return chunk is not None and medium in chunk.mediums
 
     def take(self) -> list[BlockStored | BlockRemoved]:
         events, self._events = self._events, []

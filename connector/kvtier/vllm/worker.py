@@ -30,7 +30,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -349,7 +349,7 @@ class WorkerSide:
                     self._saving[spec.chunk_hash] = left
             self._saved.notify_all()
 
-    def _wait_for_saves(self, chunks: Iterable[str], deadline: float) -> None:
+    def _wait_for_saves(self, chunks: Collection[str], deadline: float) -> None:
         """Until none of `chunks` is still in the save thread (or `deadline`)."""
         with self._saved:
             self._saved.wait_for(

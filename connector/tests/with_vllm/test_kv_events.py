@@ -9,38 +9,15 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_identity import BLOCK, CHUNK, TOKENS, _request  # vLLM Requests with its block hasher
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.lora.request import LoRARequest
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    maybe_convert_block_hash,
-)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request
 
 from kvtier.vllm import events as events_module
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports
-
-BLOCK = 16
-CHUNK = 64  # 4 blocks per chunk
-TOKENS = [(i * 7919) % 8000 + 300 for i in range(3 * CHUNK + 5)]
-
-init_none_hash(sha256)
-_HASHER = get_request_block_hasher(BLOCK, sha256)
-
-
-def _request(salt: str | None = None, lora: LoRARequest | None = None) -> Request:
-    return Request(
-        request_id="r",
-        prompt_token_ids=TOKENS,
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        lora_request=lora,
-        cache_salt=salt,
-        block_hasher=_HASHER,
-    )
 
 
 def test_a_stored_chunk_names_vllms_own_blocks() -> None:
