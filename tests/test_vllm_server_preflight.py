@@ -81,7 +81,8 @@ CASES = {
     ),
     "tensor parallelism with the uni executor": (
         {"vllm_server_tensor_parallel_size": 2, "vllm_server_distributed_executor_backend": "uni"},
-        r"vllm_server_tensor_parallel_size 2 needs vllm_server_distributed_executor_backend mp",
+        r"vllm_server_tensor_parallel_size 2 times vllm_server_pipeline_parallel_size 1 workers "
+        r"need vllm_server_distributed_executor_backend mp",
     ),
     "tensor parallelism with one core group": (
         {
@@ -89,7 +90,27 @@ CASES = {
             "vllm_server_distributed_executor_backend": "mp",
             "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
         },
-        r"one core group per rank separated by '\|' \(e\.g\. '0\|1' for 2; is '0-1'\)",
+        r"one core group per worker separated by '\|' \(e\.g\. '0\|1' for 2; is '0-1'\)",
+    ),
+    "pipeline parallelism with a core group too few": (
+        {
+            "vllm_server_tensor_parallel_size": 2,
+            "vllm_server_pipeline_parallel_size": 2,
+            "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        },
+        r"vllm_server_tensor_parallel_size 2 times vllm_server_pipeline_parallel_size 2 workers",
+    ),
+    "pipeline parallelism in eager mode on vLLM's CPU build": (
+        {
+            "vllm_server_pipeline_parallel_size": 2,
+            "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_enforce_eager": True,
+            "vllm_server_distribution": "vllm-cpu",
+            "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        },
+        r"vllm_server_pipeline_parallel_size 2 needs vllm_server_enforce_eager false on vLLM's "
+        r"CPU build",
     ),
     "LoRA adapter with a relative path": (
         {"vllm_server_lora_adapters": {"sql": "adapters/sql"}},
@@ -231,11 +252,13 @@ def test_role_supports_the_connectors_vllm_version() -> None:
     assert constants["_vllm_server_supported_version"] == SUPPORTED_VLLM_VERSION
 
 
-def test_tensor_parallelism_with_mp_and_a_core_group_per_rank_passes() -> None:
+@pytest.mark.parametrize("sizes", [{"tensor": 2}, {"pipeline": 2}])
+def test_parallelism_with_mp_and_a_core_group_per_worker_passes(sizes: dict[str, int]) -> None:
     done = run_preflight(
         {
-            "vllm_server_tensor_parallel_size": 2,
+            **{f"vllm_server_{kind}_parallel_size": n for kind, n in sizes.items()},
             "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_enforce_eager": False,
             "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         }
     )
@@ -311,3 +334,18 @@ def test_kv_events_config_is_on_the_command_line_only_when_enabled(
         "topic": "kv",
         "replay_endpoint": replay,
     }
+
+
+def test_parallel_sizes_from_inventory_are_on_the_command_line(tmp_path: Path) -> None:
+    argv = start_command(
+        tmp_path,
+        {
+            "vllm_server_tensor_parallel_size": 1,
+            "vllm_server_pipeline_parallel_size": 2,
+            "vllm_server_distributed_executor_backend": "mp",
+            "vllm_server_enforce_eager": False,
+            "vllm_server_environment": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        },
+    )
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in argv and "--enforce-eager" not in argv

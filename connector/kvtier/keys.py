@@ -186,11 +186,20 @@ class LayoutFingerprint:
     kv_layout: str
     #: Chunks per S3 object (kvtier.format): hosts that cut runs differently share nothing.
     object_chunks: int = 1
+    #: Pipeline stage: a stage holds only its own layers, ``layers`` = ``"<start>-<end>"`` of
+    #: the model's layer indices (vLLM's split, `kvtier.vllm.layout.PipelineStage`), so stages
+    #: of the same shape never read each other's chunks.
+    pp_rank: int = 0
+    pp_size: int = 1
+    layers: str = ""
 
     def canonical(self) -> bytes:
         fields = asdict(self)
         if self.object_chunks == 1:  # an object per chunk: the digests from before runs existed
             del fields["object_chunks"]
+        if self.pp_size == 1:  # one stage holds every layer: the digests from before PP
+            for name in ("pp_rank", "pp_size", "layers"):
+                del fields[name]
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> str:

@@ -36,7 +36,15 @@ from kvtier.store import TieredStore
 from kvtier.vllm.copier import BlockCopier
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports, events_enabled
 from kvtier.vllm.identity import RequestIdentity, Uncacheable
-from kvtier.vllm.layout import KVLayout, LayoutError, check_tensors, expected_layout
+from kvtier.vllm.layout import (
+    KVLayout,
+    LayoutError,
+    PipelineStage,
+    check_stage,
+    check_tensors,
+    expected_layout,
+    pipeline_stages,
+)
 from kvtier.vllm.plan import StepPlan
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
 from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
@@ -76,14 +84,6 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
 def _refuse_unsupported_parallelism(vllm_config: Any) -> None:
     """Fail at start, naming the setting, for parallelism kvtier's keys cannot express yet."""
     par = vllm_config.parallel_config
-    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
-    if pp > 1:
-        raise LayoutError(
-            f"kvtier does not support pipeline parallelism (pipeline_parallel_size={pp}): each "
-            "stage holds only its own layers, and the scheduler looks chunks up under one "
-            "layout. Serve with --pipeline-parallel-size 1 (tensor parallelism is supported), "
-            "or without kv_transfer_config"
-        )
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = int(getattr(par, name, 1) or 1)
         if size > 1:
@@ -102,6 +102,16 @@ def _tp(vllm_config: Any, role: Any) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), size
+
+
+def _stage(stages: tuple[PipelineStage, ...], role: Any) -> PipelineStage:
+    """This process's pipeline stage; the scheduler's is stage 0, whose layers vLLM gives it
+    (its KV cache config is the first worker's) and whose keys it looks up."""
+    if role != KVConnectorRole.WORKER or len(stages) == 1:
+        return stages[0]
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return stages[int(get_pp_group().rank_in_group)]
 
 
 def _vllm_compute_stream() -> Any:
@@ -125,23 +135,31 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model_dir = model_cfg.model if os.path.isdir(model_cfg.model) else None
         model_id = model_identity(str(model_cfg.served_model_name), model_dir)
         tp_rank, tp_size = _tp(vllm_config, role)
+        # Pipeline parallelism: each stage holds, stores and loads only its own layers, keyed
+        # by them; the scheduler looks up stage 0's keys, as it looks up TP rank 0's.
+        stages = pipeline_stages(vllm_config)
+        stage = _stage(stages, role)
+        if len(stages) > 1:
+            check_stage(self.layout, stage)
         #: Chunks per S3 object: several when the model's chunks are small (kvtier.format).
+        #: Every stage cuts its runs as the scheduler plans them: from stage 0's payload.
         self.object_chunks = 1
         if self.cfg.remote_url:
-            payload = self.layout.payload_nbytes(self.cfg.chunk_size // self.layout.block_size)
+            blocks = self.cfg.chunk_size // self.layout.block_size
+            payload = stages[0].num_layers * blocks * self.layout.block_nbytes
             self.object_chunks = chunks_per_object(payload, self.cfg.remote_chunks_per_object)
-        fingerprint = self.layout.fingerprint(
-            model_id, self.cfg.chunk_size, tp_rank, tp_size, self.object_chunks
-        )
-        self.fingerprint = fingerprint.digest()
-        #: The other TP ranks' layouts: their chunks in a shared disk directory are theirs.
-        self._peer_fingerprints = frozenset(
-            self.layout.fingerprint(
-                model_id, self.cfg.chunk_size, r, tp_size, self.object_chunks
+
+        def fingerprint_of(rank: int, of_stage: PipelineStage) -> str:
+            return self.layout.fingerprint(
+                model_id, self.cfg.chunk_size, rank, tp_size, self.object_chunks, of_stage
             ).digest()
-            for r in range(tp_size)
-            if r != tp_rank
-        )
+
+        self.fingerprint = fingerprint_of(tp_rank, stage)
+        #: The other ranks' layouts (TP ranks of every stage): their chunks in a shared disk
+        #: directory are theirs.
+        self._peer_fingerprints = frozenset(
+            fingerprint_of(r, s) for s in stages for r in range(tp_size)
+        ) - {self.fingerprint}
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
         self._lookups: RemoteLookups | None = None
@@ -153,7 +171,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._publisher: EventPublisher | None = None
         self._event_requests: dict[str, Any] = {}
         self._reports: WorkerReports | None = None
-        self._tp_size = tp_size
+        #: Worker processes (TP ranks of every stage): each reports its own chunks.
+        self._ranks = tp_size * len(stages)
         #: What keys a request's identity beyond its tokens (scheduler side).
         self._identity = RequestIdentity(self.cfg.chunk_size, self.cfg.save_unfull_chunk)
         #: Reasons to serve a request without kvtier that were logged already (once each).
@@ -161,7 +180,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         log.info(
             "kvtier %s connector (%s): config %s, layout %s, fingerprint %s, tiers cpu=%s "
             "disk=%s s3=%s (%d chunks per object)",
-            "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker tp{tp_rank}",
+            "scheduler"
+            if role == KVConnectorRole.SCHEDULER
+            else f"worker tp{tp_rank}" + (f" pp{stage.rank}" if len(stages) > 1 else ""),
             dist,
             self.cfg.source,
             self.layout.kv_layout(),
@@ -210,7 +231,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._publisher = EventPublisher(
                 self.layout.block_size,
                 cfg.chunk_size,
-                ranks=self._tp_size,
+                ranks=self._ranks,
                 background_tiers=bool(cfg.disk_bytes) + bool(cfg.remote_url),
             )
         self._scheduler = SchedulerSide(

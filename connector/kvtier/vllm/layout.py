@@ -83,13 +83,22 @@ class KVLayout:
         return f"{self.device}:{self.backend}:{self.variant}:{shape}"
 
     def fingerprint(
-        self, model_id: str, chunk_size: int, tp_rank: int, tp_size: int, object_chunks: int = 1
+        self,
+        model_id: str,
+        chunk_size: int,
+        tp_rank: int,
+        tp_size: int,
+        object_chunks: int = 1,
+        stage: PipelineStage | None = None,
     ) -> LayoutFingerprint:
+        """The fingerprint of this layout's rank ``tp_rank`` of pipeline ``stage`` (its own
+        layers; the layout of any stage gives any stage's: they differ in their layers only)."""
+        pp = stage if stage is not None and stage.size > 1 else None
         return LayoutFingerprint(
             object_chunks=object_chunks,
             model_id=model_id,
             dtype=self.dtype,
-            num_layers=self.num_layers,
+            num_layers=pp.num_layers if pp else self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             block_size=self.block_size,
@@ -97,6 +106,55 @@ class KVLayout:
             tp_rank=tp_rank,
             tp_size=tp_size,
             kv_layout=self.kv_layout(),
+            pp_rank=pp.rank if pp else 0,
+            pp_size=pp.size if pp else 1,
+            layers=f"{pp.start}-{pp.end}" if pp else "",
+        )
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One pipeline-parallel stage: it holds the model's layers ``start`` to ``end - 1``."""
+
+    rank: int
+    size: int
+    start: int
+    end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+def pipeline_stages(vllm_config: Any) -> tuple[PipelineStage, ...]:
+    """Every stage's layers, as vLLM splits them (``get_pp_indices``: even, or
+    ``VLLM_PP_LAYER_PARTITION``), computed alike by the scheduler and by every worker."""
+    from vllm.distributed.utils import get_pp_indices
+
+    size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    total = int(vllm_config.model_config.get_total_num_hidden_layers())
+    return tuple(
+        PipelineStage(rank, size, *get_pp_indices(total, rank, size)) for rank in range(size)
+    )
+
+
+def check_stage(layout: KVLayout, stage: PipelineStage) -> None:
+    """Refuse a stage whose KV cache does not hold exactly the layers vLLM's split gives it:
+    its chunks would be keyed with layers it does not hold (fail closed)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        held = sorted(extract_layer_index(name) for name in layout.layer_names)
+    except (AssertionError, ValueError) as e:
+        held, why = [], f" ({e})"
+    else:
+        why = ""
+    if held != list(range(stage.start, stage.end)):
+        raise LayoutError(
+            f"kvtier cannot tell which layers pipeline stage {stage.rank} holds: its KV cache "
+            f"has layers {list(layout.layer_names)}{why}, vLLM's split gives it layers "
+            f"{stage.start} to {stage.end - 1}. Serve with --pipeline-parallel-size 1, or "
+            "without kv_transfer_config"
         )
 
 

@@ -10,7 +10,14 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 from kvtier.vllm.connector import _refuse_unsupported_parallelism
-from kvtier.vllm.layout import LayoutError, _kv_dtype_name, expected_layout
+from kvtier.vllm.layout import (
+    LayoutError,
+    PipelineStage,
+    _kv_dtype_name,
+    check_stage,
+    expected_layout,
+    pipeline_stages,
+)
 
 
 def _configs(
@@ -74,14 +81,13 @@ def test_non_causal_attention_is_refused() -> None:
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ("pipeline_parallel_size", "does not support pipeline parallelism"),
         ("decode_context_parallel_size", "decode_context_parallel_size=2"),
         ("prefill_context_parallel_size", "prefill_context_parallel_size=2"),
     ],
 )
-def test_pipeline_and_context_parallelism_are_refused(setting: str, message: str) -> None:
+def test_context_parallelism_is_refused(setting: str, message: str) -> None:
     sizes = {
-        "pipeline_parallel_size": 1,
+        "pipeline_parallel_size": 2,
         "decode_context_parallel_size": 1,
         "prefill_context_parallel_size": 1,
     }
@@ -89,3 +95,42 @@ def test_pipeline_and_context_parallelism_are_refused(setting: str, message: str
     with pytest.raises(LayoutError, match=message):
         _refuse_unsupported_parallelism(config)
     _refuse_unsupported_parallelism(SimpleNamespace(parallel_config=SimpleNamespace(**sizes)))
+
+
+def _stages(pp: int, layers: int) -> tuple[PipelineStage, ...]:
+    return pipeline_stages(
+        SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+            model_config=SimpleNamespace(get_total_num_hidden_layers=lambda: layers),
+        )
+    )
+
+
+def test_pipeline_stages_follow_vllms_split() -> None:
+    assert [(s.start, s.end) for s in _stages(2, 2)] == [(0, 1), (1, 2)]
+    # Uneven: the remainder goes to the stages before the last, as vLLM's get_pp_indices.
+    assert [(s.start, s.end) for s in _stages(2, 5)] == [(0, 3), (3, 5)]
+    assert [(s.start, s.end) for s in _stages(1, 5)] == [(0, 5)]
+
+
+def test_stages_of_the_same_shape_have_their_own_fingerprints() -> None:
+    # The even split of a 2-layer model: both stages hold one layer of the same shape; keyed
+    # by the layer count alone (the code before stages), they wrote the same keys.
+    layout = expected_layout(*_configs())
+    first, second = _stages(2, 2)
+    fps = {layout.fingerprint("m", 256, 0, 1, 1, s).digest() for s in (first, second)}
+    assert len(fps) == 2
+    # Without PP the digest is the one from before stages existed: nothing stored is lost.
+    (whole,) = _stages(1, 2)
+    assert layout.fingerprint("m", 256, 0, 1, 1, whole) == layout.fingerprint("m", 256, 0, 1)
+
+
+def test_a_stage_holding_other_layers_than_vllms_split_is_refused() -> None:
+    vllm_config, _ = _configs()
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(["model.layers.1.self_attn.attn"], spec)]
+    layout = expected_layout(vllm_config, SimpleNamespace(kv_cache_groups=groups))
+    first, second = _stages(2, 2)
+    check_stage(layout, second)
+    with pytest.raises(LayoutError, match="cannot tell which layers pipeline stage 0 holds"):
+        check_stage(layout, first)
