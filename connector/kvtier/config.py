@@ -191,6 +191,16 @@ class KvtierConfig(BaseModel):
     #: Seconds before the first probe of a remote tier that stopped answering; doubled after each
     #: failed probe, up to 60.
     remote_retry_secs: float = Field(default=2.0, gt=0)
+    # ---- the remote tier bounded (kvtier.tiers.bounded) ----
+    #: Cap, GiB, on the objects under ``remote_url``'s prefix, shared by every server writing
+    #: there and kept by each: the least recently used objects are deleted, and writes are
+    #: skipped (counted, cause ``over_cap``) while the prefix is over the cap. ``null``: no cap
+    #: (the bucket's lifecycle rule and quota are then the only bounds).
+    max_remote_size: float | None = Field(default=None, gt=0)
+    #: Seconds between two listings of the prefix by each writer (eviction, recency of hits,
+    #: the fill its writes are checked against); a writer that takes the prefix over its cap
+    #: lists it at once.
+    remote_evict_interval_secs: float = Field(default=30.0, gt=0)
     #: ``true``: refuse to start when the remote tier cannot be used at start (wrong endpoint,
     #: credentials or bucket). ``false``: log the cause once, serve without it, probe it again.
     remote_required: bool = False
@@ -225,6 +235,13 @@ class KvtierConfig(BaseModel):
     @property
     def disk_bytes(self) -> int:
         return int(self.max_local_disk_size * _GIB) if self.local_disk else 0
+
+    @property
+    def remote_bytes(self) -> int | None:
+        """The remote tier's cap in bytes; None: no cap."""
+        if self.max_remote_size is None or not self.remote_url:
+            return None
+        return int(self.max_remote_size * _GIB)
 
     @property
     def write_backlog_bytes(self) -> int:

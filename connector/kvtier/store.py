@@ -150,15 +150,19 @@ class TieredStore:
         *,
         disk_maintain: bool = True,
         disk_peers: frozenset[str] = frozenset(),
+        remote_maintain: bool = False,
     ) -> TieredStore:
         """A store over the tiers ``cfg`` enables (:func:`kvtier.tiers.tiers_from_config`); the
         remote tier's runs are cut every ``object_chunks`` chunks (the connector derives it
         from the layout: :func:`kvtier.format.chunks_per_object`). ``disk_maintain``,
-        ``disk_peers``: see `kvtier.tiers.disk.DiskTier`."""
+        ``disk_peers``, ``remote_maintain``: see `kvtier.tiers.tiers_from_config`."""
         from kvtier.tiers import tiers_from_config
 
+        tiers = tiers_from_config(
+            cfg, disk_maintain=disk_maintain, disk_peers=disk_peers, remote_maintain=remote_maintain
+        )
         return cls(
-            tiers_from_config(cfg, disk_maintain=disk_maintain, disk_peers=disk_peers),
+            tiers,
             fingerprint,
             cfg.namespace,
             verify_checksums=cfg.verify_checksums,

@@ -30,6 +30,7 @@ from typing import IO
 
 import pytest
 import yaml
+from _s3 import S3Env, s3_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
@@ -186,3 +187,12 @@ def tiny_model_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvtier.model import write_tokenizer_and_config
 
     return write_tokenizer_and_config(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def s3(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[S3Env, str]]:
+    """(environment, a fresh prefix of the test S3 endpoint); the prefix is emptied afterwards
+    (connector/tests/_s3.py)."""
+    yield from s3_prefix(request, tmp_path, monkeypatch)

@@ -93,6 +93,8 @@ def test_typo_in_extra_config(tmp_path: Path) -> None:
         ("request_namespaces: [ok, ../x]\n", "request_namespaces", "letters, digits"),
         ("endpoint_url: 127.0.0.1:7480\n", "endpoint_url", "http://host:port"),
         ("s3_client: curl\n", "s3_client", "auto, boto3, crt"),
+        ("max_remote_size: 0\n", "max_remote_size", "> 0"),
+        ("remote_evict_interval_secs: -1\n", "remote_evict_interval_secs", "> 0"),
         (
             "extra_config:\n  s3_max_io_concurrency: 0\n",
             "extra_config.s3_max_io_concurrency",
@@ -144,3 +146,10 @@ def test_env_var_and_inline_overrides(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("KVTIER_CONFIG")
     with pytest.raises(ConfigError, match="KVTIER_CONFIG"):
         load_config(None)
+
+
+def test_the_remote_cap_is_in_bytes_and_only_with_a_remote_tier(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "max_remote_size: 2\n")).remote_bytes is None
+    capped = load_config(_write(tmp_path, "remote_url: s3://bucket/p\nmax_remote_size: 0.5\n"))
+    assert capped.remote_bytes == 1 << 29
+    assert load_config(_write(tmp_path, "remote_url: s3://bucket/p\n")).remote_bytes is None

@@ -11,17 +11,16 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _helpers import FINGERPRINT, chunks
+from _s3 import S3Env, objects
 
 from kvtier.admin.chunks import count_chunks
 from kvtier.cli import main as cli_main
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.store import ChunkRef, TieredStore
 from kvtier.tiers.s3_boto3 import make_boto3_client
@@ -29,81 +28,6 @@ from kvtier.tiers.s3_boto3 import make_boto3_client
 pytestmark = pytest.mark.integration
 
 CLIENTS = ["boto3", "crt", "auto"]
-
-
-@dataclass
-class S3Env:
-    endpoint_url: str
-    region: str
-    bucket: str
-    profile: str
-    root: Path  # per-test scratch dir
-
-    def write_config(self, prefix: str, **extra: Any) -> Path:
-        values: dict[str, Any] = {
-            "chunk_size": 256,
-            "local_cpu": False,
-            "remote_url": f"s3://{self.bucket}/{prefix}",
-            "endpoint_url": self.endpoint_url,
-            "aws_profile": self.profile,
-            "blocking_timeout_secs": 5,
-            "extra_config": {"s3_region": self.region},
-        }
-        values.update(extra)
-        import yaml
-
-        path = self.root / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return path
-
-
-@pytest.fixture
-def s3(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[S3Env, str]]:
-    """(environment, a fresh prefix); the prefix is emptied afterwards."""
-    override = os.environ.get("KVTIER_TEST_S3_CONFIG")
-    if override:
-        cfg = load_config(override)
-        endpoint = cfg.endpoint_url or make_boto3_client(cfg).meta.endpoint_url
-        env = S3Env(
-            endpoint,
-            cfg.extra_config.s3_region,
-            cfg.s3_bucket or "",
-            cfg.aws_profile or "default",
-            tmp_path,
-        )
-    else:
-        fx = request.getfixturevalue("ceph_s3")  # conftest.CephS3
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(fx.credentials_file))
-        monkeypatch.setenv("AWS_CONFIG_FILE", str(fx.config_file))
-        env = S3Env(
-            fx.endpoint_url,
-            fx.region,
-            fx.bucket,
-            fx.profile,
-            tmp_path,
-        )
-    prefix = f"kvtier-test/{uuid.uuid4().hex[:10]}"
-    yield env, prefix
-    cfg = load_config(env.write_config(prefix))
-    client = make_boto3_client(cfg)
-    for page in client.get_paginator("list_objects_v2").paginate(
-        Bucket=env.bucket, Prefix=prefix + "/"
-    ):
-        objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if objs:
-            client.delete_objects(Bucket=env.bucket, Delete={"Objects": objs, "Quiet": True})
-
-
-def _objects(cfg: KvtierConfig) -> dict[str, int]:
-    client = make_boto3_client(cfg)
-    out: dict[str, int] = {}
-    for page in client.get_paginator("list_objects_v2").paginate(
-        Bucket=cfg.s3_bucket, Prefix=cfg.s3_prefix + "/"
-    ):
-        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
-    return out
 
 
 @pytest.mark.parametrize("client", CLIENTS)
@@ -115,7 +39,7 @@ def test_chunks_survive_a_restart_through_s3(s3: tuple[S3Env, str], client: str)
         for h, p in data:
             store.put(h, p, 256)
         assert store.flush(30)
-    objs = _objects(cfg)
+    objs = objects(cfg)
     assert len(objs) == 5
     assert all(size == 700 * 1024 + HEADER_SIZE for size in objs.values())
     # a new process: nothing local, everything from the bucket, byte for byte
@@ -144,7 +68,7 @@ def test_runs_of_chunks_are_one_object_each_found_and_read_back(
         for first in range(0, 10, 4):
             store.put_run([(h, p, 256) for h, p in data[first : first + 4]])
         assert store.flush(30)
-    objs = _objects(cfg)
+    objs = objects(cfg)
     assert sorted(objs.values()) == sorted(
         [4 * (100 * 1024 + HEADER_SIZE)] * 2 + [2 * (100 * 1024 + HEADER_SIZE)]
     )
@@ -205,7 +129,7 @@ def test_corrupted_object_is_a_miss_and_removed(s3: tuple[S3Env, str], client: s
         raw.put_object(Bucket=cfg.s3_bucket, Key=key, Body=bytes(blob))
         assert store.get(h) is None
         assert store.stats().tiers["s3"].errors == {"checksum": 1}
-    assert _objects(cfg) == {}
+    assert objects(cfg) == {}
 
 
 def test_promotion_from_s3_into_disk_and_cpu(s3: tuple[S3Env, str], tmp_path: Path) -> None:
@@ -331,11 +255,11 @@ def test_ls_stats_and_purge(
 
     args = admin_args(path)
     assert cmd_purge(args, confirm=lambda _q: next(answers)) == 1
-    assert len(_objects(cfg)) == 4
+    assert len(objects(cfg)) == 4
     assert cli_main(["purge", "--config", str(path), "--yes"]) == 0
     out = capsys.readouterr().out
     assert "disk: deleted 4 chunks" in out and "s3: deleted 4 objects" in out
-    assert _objects(cfg) == {}
+    assert objects(cfg) == {}
     assert not list((tmp_path / "disk").rglob("*.kvt"))
 
 

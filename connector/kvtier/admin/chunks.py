@@ -24,12 +24,7 @@ def persistent_tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
 
 
 def delete_keys(tier: Tier, keys: list[str]) -> int:
-    delete_many = getattr(tier, "delete_many", None)
-    if delete_many is not None:
-        return int(delete_many(keys))
-    for key in keys:
-        tier.delete(key)
-    return len(keys)
+    return tier.delete_many(keys)
 
 
 def chunks_held(tier: Tier, keys: list[str]) -> int:

@@ -14,10 +14,16 @@ __all__ = ["Tier", "TierError", "tiers_from_config"]
 
 
 def tiers_from_config(
-    cfg: KvtierConfig, *, disk_maintain: bool = True, disk_peers: frozenset[str] = frozenset()
+    cfg: KvtierConfig,
+    *,
+    disk_maintain: bool = True,
+    disk_peers: frozenset[str] = frozenset(),
+    remote_maintain: bool = False,
 ) -> list[Tier]:
     """The tiers ``cfg`` enables, fastest first: CPU, disk, and S3 behind its circuit breaker.
-    ``disk_maintain``, ``disk_peers``: see `kvtier.tiers.disk.DiskTier`."""
+    ``disk_maintain``, ``disk_peers``: see `kvtier.tiers.disk.DiskTier`. ``remote_maintain``:
+    this process writes the S3 tier and keeps its cap (``max_remote_size``:
+    `kvtier.tiers.bounded`); a server's workers do, its scheduler and the tools do not."""
     tiers: list[Tier] = []
     if cfg.local_cpu and cfg.cpu_bytes > 0:
         from kvtier.tiers.cpu import CpuTier
@@ -40,7 +46,14 @@ def tiers_from_config(
             threshold=cfg.remote_failure_threshold,
             retry_secs=cfg.remote_retry_secs,
         )
-        tiers.append(GuardedTier(s3, breaker))
+        guarded: Tier = GuardedTier(s3, breaker)
+        if remote_maintain and cfg.remote_bytes is not None:
+            from kvtier.tiers.bounded import BoundedTier
+
+            guarded = BoundedTier(
+                guarded, cfg.remote_bytes, interval_secs=cfg.remote_evict_interval_secs
+            )
+        tiers.append(guarded)
     if not tiers:
         raise ValueError(f"no tier enabled in {cfg.source}")
     return tiers

@@ -119,6 +119,21 @@ class Tier(ABC):
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(key, size in bytes) for each stored key starting with ``prefix``."""
 
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete ``keys``; how many were deleted (S3 tiers: 1000 per request)."""
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+    def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
+        """(key, size in bytes, last modified as a Unix time) for each stored key starting with
+        ``prefix``: what a cap on a shared tier needs (kvtier.tiers.bounded)."""
+        raise TierError("unsupported", f"the {self.name} tier does not list modification times")
+
+    def touch(self, key: str) -> None:
+        """Make ``key``'s last-modified time now, keeping its content and metadata."""
+        raise TierError("unsupported", f"the {self.name} tier cannot touch {key}")
+
     def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
         """For each key: None when absent, else the short hashes of the chunks its object holds
         (kvtier.format's chunk list; [] for an object of one chunk that lists none). Tiers of

@@ -28,7 +28,18 @@ CLOSED, OPEN = "closed", "open"
 
 #: Failure causes that say nothing about the tier's availability: the call reached it.
 _DATA_CAUSES = frozenset(
-    {"checksum", "truncated", "bad_magic", "version", "layout_mismatch", "key_mismatch", "bad_key"}
+    {
+        "checksum",
+        "truncated",
+        "bad_magic",
+        "version",
+        "layout_mismatch",
+        "key_mismatch",
+        "bad_key",
+        # an object deleted meanwhile (another writer's eviction)
+        "404",
+        "NoSuchKey",
+    }
 )
 
 
@@ -196,6 +207,16 @@ class GuardedTier(Tier):
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         return self.inner.list_keys(prefix)
+
+    def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
+        # Listed whole inside the call: a failure midway counts against the breaker.
+        return iter(self._call(lambda: list(self.inner.list_objects(prefix))))
+
+    def touch(self, key: str) -> None:
+        self._call(lambda: self.inner.touch(key))
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self._call(lambda: self.inner.delete_many(keys))
 
     def probe(self) -> None:
         self.inner.probe()

@@ -223,15 +223,38 @@ class Boto3S3Tier(Tier):
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """Walks the bucket listing (paginated); keys are returned without the tier prefix."""
+        for key, size, _ in self.list_objects(prefix):
+            yield key, size
+
+    def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
         full = self.object_key(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
                 for obj in page.get("Contents", []):
-                    yield obj["Key"][strip:], int(obj["Size"])
+                    yield obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp()
         except Exception as exc:
             raise TierError(error_cause(exc), f"S3 LIST s3://{self.bucket}/{full}: {exc}") from exc
+
+    def touch(self, key: str) -> None:
+        """Copy the object onto itself (S3 has no touch): its metadata is read first, since a
+        copy onto itself must replace it. RGW shares the data of a copy in the same bucket."""
+        okey = self.object_key(key)
+        meta = self._call(
+            "HEAD", okey, lambda: self._client.head_object(Bucket=self.bucket, Key=okey)
+        ).get("Metadata", {})
+        self._call(
+            "COPY",
+            okey,
+            lambda: self._client.copy_object(
+                Bucket=self.bucket,
+                Key=okey,
+                CopySource={"Bucket": self.bucket, "Key": okey},
+                Metadata=meta,
+                MetadataDirective="REPLACE",
+            ),
+        )
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete up to 1000 keys per request; return how many were deleted."""

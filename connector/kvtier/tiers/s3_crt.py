@@ -288,5 +288,11 @@ class CrtS3Tier(Tier):
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._admin.delete_many(keys)
 
+    def list_objects(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
+        return self._admin.list_objects(prefix)
+
+    def touch(self, key: str) -> None:
+        self._admin.touch(key)
+
     def close(self) -> None:
         self._admin.close()

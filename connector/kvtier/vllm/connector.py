@@ -260,6 +260,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "worker",
             self.object_chunks,
             disk_peers=self._peer_fingerprints,
+            remote_maintain=True,
         )
         if store is None:
             return  # no tier left to use (logged): served without kvtier

@@ -38,14 +38,21 @@ def open_store(
     *,
     disk_maintain: bool = True,
     disk_peers: frozenset[str] = frozenset(),
+    remote_maintain: bool = False,
 ) -> TieredStore | None:
     """The store of ``cfg`` (None when it has no tier left to use); ``who`` names the process
-    side in messages ("scheduler", "worker tp0"). ``disk_maintain``, ``disk_peers``: see
-    `kvtier.tiers.disk.DiskTier` (a scheduler that only looks up, the other TP ranks)."""
+    side in messages ("scheduler", "worker tp0"). ``disk_maintain``, ``disk_peers``,
+    ``remote_maintain``: see `kvtier.tiers.tiers_from_config` (a scheduler that only looks up,
+    the other TP ranks, the workers that keep the remote tier's cap)."""
 
     def store_of(c: KvtierConfig, chunks: int) -> TieredStore:
         return TieredStore.from_config(
-            c, fingerprint, chunks, disk_maintain=disk_maintain, disk_peers=disk_peers
+            c,
+            fingerprint,
+            chunks,
+            disk_maintain=disk_maintain,
+            disk_peers=disk_peers,
+            remote_maintain=remote_maintain,
         )
 
     try:

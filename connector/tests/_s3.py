@@ -1,0 +1,91 @@
+"""A fresh prefix of the test S3 endpoint (the real Ceph RGW of ``ceph_s3``, or
+``$KVTIER_TEST_S3_CONFIG``): the ``s3`` fixture (connector/tests/conftest.py) and what tests
+read back from it. Every test writes under its own random prefix, emptied afterwards."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.tiers.s3_boto3 import make_boto3_client
+
+
+@dataclass
+class S3Env:
+    endpoint_url: str
+    region: str
+    bucket: str
+    profile: str
+    root: Path  # per-test scratch dir
+
+    def write_config(self, prefix: str, **extra: Any) -> Path:
+        values: dict[str, Any] = {
+            "chunk_size": 256,
+            "local_cpu": False,
+            "remote_url": f"s3://{self.bucket}/{prefix}",
+            "endpoint_url": self.endpoint_url,
+            "aws_profile": self.profile,
+            "blocking_timeout_secs": 5,
+            "extra_config": {"s3_region": self.region},
+        }
+        values.update(extra)
+        import yaml
+
+        path = self.root / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return path
+
+
+def s3_prefix(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[S3Env, str]]:
+    """(environment, a fresh prefix); the prefix is emptied afterwards."""
+    override = os.environ.get("KVTIER_TEST_S3_CONFIG")
+    if override:
+        cfg = load_config(override)
+        endpoint = cfg.endpoint_url or make_boto3_client(cfg).meta.endpoint_url
+        env = S3Env(
+            endpoint,
+            cfg.extra_config.s3_region,
+            cfg.s3_bucket or "",
+            cfg.aws_profile or "default",
+            tmp_path,
+        )
+    else:
+        fx = request.getfixturevalue("ceph_s3")  # conftest.CephS3
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(fx.credentials_file))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(fx.config_file))
+        env = S3Env(
+            fx.endpoint_url,
+            fx.region,
+            fx.bucket,
+            fx.profile,
+            tmp_path,
+        )
+    prefix = f"kvtier-test/{uuid.uuid4().hex[:10]}"
+    yield env, prefix
+    cfg = load_config(env.write_config(prefix))
+    client = make_boto3_client(cfg)
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=env.bucket, Prefix=prefix + "/"
+    ):
+        objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objs:
+            client.delete_objects(Bucket=env.bucket, Delete={"Objects": objs, "Quiet": True})
+
+
+def objects(cfg: KvtierConfig) -> dict[str, int]:
+    client = make_boto3_client(cfg)
+    out: dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=cfg.s3_bucket, Prefix=cfg.s3_prefix + "/"
+    ):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return out
