@@ -39,6 +39,8 @@ _DATA_CAUSES = frozenset(
         # an object deleted meanwhile (another writer's eviction)
         "404",
         "NoSuchKey",
+        # the bucket's quota refused a write: reads go on (rgw_bucket_quota_max_size_gb)
+        "QuotaExceeded",
     }
 )
 

@@ -15,6 +15,7 @@ covers the payload end to end).
 from __future__ import annotations
 
 import io
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,6 +26,17 @@ from kvtier.config import ConfigError, KvtierConfig
 from kvtier.format import CHUNK_LIST_META, HEADER_SIZE, decode_chunk_list
 from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
 from kvtier.tiers.s3_boto3 import Boto3S3Tier
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    """The S3 error code of a refused request (``<Code>`` of its XML body, as boto3 reports
+    it): a 403 may be refused credentials or a full quota, which must not be told apart by
+    status alone."""
+    body = getattr(exc, "body", None)
+    if not body:
+        return None
+    found = re.search(rb"<Code>([A-Za-z0-9_.-]{1,64})</Code>", bytes(body))
+    return found.group(1).decode() if found else None
 
 
 def _crt_cause(exc: BaseException) -> str:
@@ -216,7 +228,7 @@ class CrtS3Tier(Tier):
             status = getattr(exc, "status_code", None) or pending.status
             if status == 404:
                 return 404, None
-            cause = f"http_{status}" if status else _crt_cause(exc)
+            cause = _s3_error_code(exc) or (f"http_{status}" if status else _crt_cause(exc))
             raise TierError(cause, f"{where}: {exc}") from exc
         if pending.method != "GET":
             return pending.status or 200, None

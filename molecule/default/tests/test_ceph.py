@@ -273,6 +273,16 @@ def other_tenant(host: Any) -> Iterator[dict[str, Any]]:
         host.run(f"radosgw-admin user rm --uid {uid} --purge-data")
 
 
+def test_cache_bucket_carries_the_quota_of_the_inventory(host: Any) -> None:
+    stats = json.loads(
+        host.check_output(f"radosgw-admin bucket stats --bucket {VARS['rgw_bucket_name']}")
+    )
+    quota = stats["bucket_quota"]
+    assert quota["enabled"] is True
+    assert quota["max_size"] == int(VARS["rgw_bucket_quota_max_size_gb"] * (1 << 30))
+    assert quota["max_objects"] == -1
+
+
 def test_rgw_user_may_own_one_bucket_and_holds_no_admin_caps(host: Any) -> None:
     info = json.loads(host.check_output(f"radosgw-admin user info --uid {VARS['rgw_bucket_user']}"))
     assert info["max_buckets"] == 1
