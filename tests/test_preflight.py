@@ -61,6 +61,10 @@ CASES = {
         r"argument 'rgw_bucket_expiration_days' is of type str and we were unable to convert to "
         r"int",
     ),
+    "negative bucket quota": (
+        {"rgw_bucket_quota_max_size_gb": -1},
+        r"rgw_bucket_quota_max_size_gb must be >= 0 \(0: no quota\); is -1",
+    ),
     "unknown addressing style": (
         {"aws_profile_addressing_style": "vhost"},
         r"value of aws_profile_addressing_style must be one of: path, virtual, auto, got: vhost",

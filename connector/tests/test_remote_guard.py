@@ -129,6 +129,26 @@ def test_corrupt_data_does_not_open_the_breaker() -> None:
     breaker.close()
 
 
+def test_a_full_quota_or_a_vanished_object_does_not_open_the_breaker() -> None:
+    tier = ScriptedTier()
+    breaker = _breaker(tier, threshold=1)
+    for cause in ("QuotaExceeded", "404", "NoSuchKey"):
+        breaker.failure(cause)
+    assert breaker.state == "closed"
+    breaker.failure("http_403")  # refused credentials: the tier cannot be used
+    assert breaker.state == "open"
+    breaker.close()
+
+
+def test_the_crt_client_reports_the_s3_error_code_of_a_refused_request() -> None:
+    from kvtier.tiers.s3_crt import _s3_error_code
+
+    refused = RuntimeError("AWS_ERROR_S3_INVALID_RESPONSE_STATUS")
+    refused.body = b"<?xml version='1.0'?><Error><Code>QuotaExceeded</Code></Error>"  # type: ignore[attr-defined]
+    assert _s3_error_code(refused) == "QuotaExceeded"
+    assert _s3_error_code(RuntimeError("no body")) is None
+
+
 def test_the_store_searches_the_remote_tier_and_counts_what_it_asked() -> None:
     tier = ScriptedTier()
     store = TieredStore([GuardedTier(tier, _breaker(tier))], FP)
