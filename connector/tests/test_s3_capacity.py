@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from _helpers import FINGERPRINT, chunks
 from _s3 import S3Env, objects
 
+from kvtier.cli import main as cli_main
 from kvtier.config import load_config
 from kvtier.store import TieredStore
 
@@ -100,7 +102,7 @@ def _two_writers(
 
 
 def test_a_restarted_writer_finds_the_prefix_over_its_cap_and_evicts_first(
-    s3: tuple[S3Env, str],
+    s3: tuple[S3Env, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     env, prefix = s3
     with TieredStore.from_config(load_config(env.write_config(prefix)), FINGERPRINT) as free:
@@ -113,6 +115,10 @@ def test_a_restarted_writer_finds_the_prefix_over_its_cap_and_evicts_first(
         assert _fill(env, prefix) <= CAP * 0.9 + PAYLOAD
         used, capacity = store.remote_tier.usage()  # type: ignore[union-attr,misc]
         assert used <= CAP and capacity == CAP
+    # kvtier ls shows the fill against the cap.
+    path = env.write_config(prefix, max_remote_size=CAP / (1 << 30))
+    assert cli_main(["ls", "--config", str(path), "--tier", "s3"]) == 0
+    assert re.search(r"\(\d+ % of max_remote_size 4\.0 MiB\)", capsys.readouterr().out)
 
 
 def test_a_write_over_the_cap_is_skipped_and_counted_never_raised(

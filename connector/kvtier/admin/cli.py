@@ -107,7 +107,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         total = sum(g[0] for g in groups.values())
         size = sum(g[1] for g in groups.values())
         unit = _unit(tier)
-        print(f"{tier.name} ({where}): {total} {unit}, {size / _MIB:.1f} MiB")
+        cap = cfg.remote_bytes if tier.remote and not args.namespace else None
+        fill = f" ({100 * size / cap:.0f} % of max_remote_size {cap / _MIB:.1f} MiB)" if cap else ""
+        print(f"{tier.name} ({where}): {total} {unit}, {size / _MIB:.1f} MiB{fill}")
         for name, (count, nbytes) in sorted(groups.items()):
             print(f"  {name}\t{count} {unit}\t{nbytes / _MIB:.1f} MiB")
     return status

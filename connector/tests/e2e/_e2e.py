@@ -34,12 +34,14 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import load_config
 from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
+from kvtier.keys import ChunkKey, chunk_hashes
 from kvtier.verify.settings import Settings
 from kvtier.vllm.server import (
     DEFAULT_VLLM_PYTHON,
@@ -135,6 +137,14 @@ class S3Target:
     def chunks(self) -> int:
         """Chunks stored under the prefix (several may share an object)."""
         return sum(len(listed) for listed in self.chunk_lists().values())
+
+    def chunks_by_layout(self) -> dict[str, int]:
+        """Chunks under the prefix per layout fingerprint (one per TP rank and PP stage)."""
+        out: dict[str, int] = {}
+        for key, listed in self.chunk_lists().items():
+            fp = ChunkKey.parse("/".join(key.split("/")[-3:])).fingerprint
+            out[fp] = out.get(fp, 0) + len(listed)
+        return out
 
     def wait_for_chunks(self, count: int, timeout: float = 60.0) -> int:
         """Chunks under the prefix once there are `count` (background writes land late)."""
@@ -276,3 +286,41 @@ def verify_settings(server: VllmServer, values: dict[str, Any], **overrides: Any
     }
     settings.update(overrides)
     return Settings(**settings)
+
+
+def a_lost_layout_heals(
+    server: VllmServer,
+    s3_target: S3Target,
+    doc: list[int],
+    fingerprint: str,
+    held: int,
+    restart: Callable[[], None],
+    ranks: int,
+) -> tuple[Any, Counters]:
+    """Delete the object of ``doc``'s first chunk under one rank's (or stage's) layout
+    ``fingerprint``, which holds ``held`` chunks in all: after ``restart`` the next request pays
+    a failed load on that rank, the chunks are saved again as vLLM recomputes them (on the code
+    before the scheduler re-saved them, never), and after another ``restart`` every rank hits
+    again. Returns that last request and its counters."""
+    first = chunk_hashes(doc, CHUNK)[0]
+    lost = [k for k in s3_target.objects() if k.endswith(f"/{fingerprint}/{first}")]
+    assert len(lost) == 1
+    s3_target.client().delete_object(Bucket=s3_target.bucket, Key=lost[0])
+    restart()
+    c = Counters(server)
+    out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    assert c.delta("kvtier:load_failed_tokens_total") > 0, server.log_tail()
+    assert len(out.token_ids) == OUTPUT_TOKENS
+    deadline = time.monotonic() + 60
+    while s3_target.chunks_by_layout().get(fingerprint, 0) < held:
+        assert time.monotonic() < deadline, (
+            f"the chunks of layout {fingerprint} were not saved again"
+        )
+        time.sleep(0.5)  # background writes: nothing to wait on but the listing
+    restart()
+    c = Counters(server)
+    again = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    chunks = (len(doc) // CHUNK) * ranks
+    assert c.delta("kvtier:tier_hits_total", tier="s3") == chunks, server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    return again, c

@@ -13,13 +13,20 @@ restarted between the steps:
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import pytest
-from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_tokens, prompt
+from _e2e import (
+    CHUNK,
+    OUTPUT_TOKENS,
+    Counters,
+    S3Target,
+    Servers,
+    a_lost_layout_heals,
+    assert_same_tokens,
+    prompt,
+)
 
-from kvtier.keys import ChunkKey, chunk_hashes
 from kvtier.vllm.server import VllmServer
 
 STAGES = 2
@@ -60,14 +67,6 @@ def _fingerprints(server: VllmServer) -> dict[int, str]:
     return {int(stage): fp for stage, fp in found}
 
 
-def _layout_chunks(s3_target: S3Target) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key, listed in s3_target.chunk_lists().items():
-        fp = ChunkKey.parse("/".join(key.split("/")[-3:])).fingerprint
-        out[fp] = out.get(fp, 0) + len(listed)
-    return out
-
-
 def test_each_stage_stores_its_own_layers_and_loads_them_back(
     pp: dict[str, Any], s3_target: S3Target
 ) -> None:
@@ -77,7 +76,7 @@ def test_each_stage_stores_its_own_layers_and_loads_them_back(
     assert s3_target.wait_for_chunks(wanted) == wanted, server.log_tail()
     fps = _fingerprints(server)
     assert sorted(fps) == [0, 1] and fps[0] != fps[1], server.log_tail()
-    assert _layout_chunks(s3_target) == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
+    assert s3_target.chunks_by_layout() == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
     _restart(server)
     c = Counters(server)
     warm = server.complete(DOCS[0], max_tokens=OUTPUT_TOKENS)
@@ -90,23 +89,13 @@ def test_a_stage_that_lost_its_chunks_heals_after_one_failed_load(
     pp: dict[str, Any], s3_target: S3Target
 ) -> None:
     server: VllmServer = pp["server"]
-    doc, stage1 = DOCS[1], _fingerprints(server)[1]
-    first = chunk_hashes(doc, CHUNK)[0]
-    lost = [k for k in s3_target.objects() if k.endswith(f"/{stage1}/{first}")]
-    assert len(lost) == 1
-    s3_target.client().delete_object(Bucket=s3_target.bucket, Key=lost[0])
-    _restart(server)
-    c = Counters(server)
-    out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:load_failed_tokens_total") > 0, server.log_tail()
-    assert len(out.token_ids) == OUTPUT_TOKENS
-    deadline = time.monotonic() + 60
-    while _layout_chunks(s3_target).get(stage1, 0) < CHUNKS * len(DOCS):
-        assert time.monotonic() < deadline, "stage 1's chunks were not saved again"
-        time.sleep(0.5)  # background writes: nothing to wait on but the listing
-    _restart(server)
-    c = Counters(server)
-    again = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:tier_hits_total", tier="s3") == STAGES * CHUNKS, server.log_tail()
-    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    again, c = a_lost_layout_heals(
+        server,
+        s3_target,
+        DOCS[1],
+        _fingerprints(server)[1],
+        held=CHUNKS * len(DOCS),
+        restart=lambda: _restart(server),
+        ranks=STAGES,
+    )
     assert_same_tokens(again, pp["cold"][1], c, ranks=STAGES)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,12 @@ from _e2e import (
     Counters,
     S3Target,
     Servers,
+    a_lost_layout_heals,
     assert_same_tokens,
     prompt,
     verify_settings,
 )
 
-from kvtier.keys import ChunkKey, chunk_hashes
 from kvtier.verify.checks import Step
 from kvtier.verify.report import first_failure
 from kvtier.verify.steps import run
@@ -71,14 +70,6 @@ def _fingerprints(server: VllmServer) -> dict[int, str]:
     return {int(rank): fp for rank, fp in found}
 
 
-def _layout_chunks(s3_target: S3Target) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key, listed in s3_target.chunk_lists().items():
-        fp = ChunkKey.parse("/".join(key.split("/")[-3:])).fingerprint
-        out[fp] = out.get(fp, 0) + len(listed)
-    return out
-
-
 def test_each_rank_stores_its_own_chunks_and_the_disk_tier_keeps_them(
     tp: dict[str, Any], s3_target: S3Target
 ) -> None:
@@ -88,7 +79,7 @@ def test_each_rank_stores_its_own_chunks_and_the_disk_tier_keeps_them(
     assert s3_target.wait_for_chunks(wanted) == wanted, server.log_tail()
     fps = _fingerprints(server)
     assert sorted(fps) == [0, 1] and fps[0] != fps[1]
-    assert _layout_chunks(s3_target) == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
+    assert s3_target.chunks_by_layout() == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
     server.stop()
     files = len(list(tp["disk"].rglob("*.kvt")))
     assert files == wanted
@@ -112,25 +103,15 @@ def test_a_rank_that_lost_its_chunks_heals_after_one_failed_load(
     tp: dict[str, Any], s3_target: S3Target
 ) -> None:
     server: VllmServer = tp["server"]
-    doc, rank1 = DOCS[1], _fingerprints(server)[1]
-    first = chunk_hashes(doc, CHUNK)[0]
-    lost = [k for k in s3_target.objects() if k.endswith(f"/{rank1}/{first}")]
-    assert len(lost) == 1
-    s3_target.client().delete_object(Bucket=s3_target.bucket, Key=lost[0])
-    _restart(server, tp["disk"])
-    c = Counters(server)
-    out = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:load_failed_tokens_total") > 0, server.log_tail()
-    assert len(out.token_ids) == OUTPUT_TOKENS
-    deadline = time.monotonic() + 60
-    while _layout_chunks(s3_target).get(rank1, 0) < CHUNKS * len(DOCS):
-        assert time.monotonic() < deadline, "rank 1's chunks were not saved again"
-        time.sleep(0.5)  # background writes: nothing to wait on but the listing
-    _restart(server, tp["disk"])
-    c = Counters(server)
-    again = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:tier_hits_total", tier="s3") == RANKS * CHUNKS, server.log_tail()
-    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    again, c = a_lost_layout_heals(
+        server,
+        s3_target,
+        DOCS[1],
+        _fingerprints(server)[1],
+        held=CHUNKS * len(DOCS),
+        restart=lambda: _restart(server, tp["disk"]),
+        ranks=RANKS,
+    )
     assert_same_tokens(again, tp["cold"][1], c, ranks=RANKS)
 
 
