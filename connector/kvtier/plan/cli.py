@@ -107,7 +107,7 @@ def register(subparsers: Any) -> None:
         "--bucket-gib",
         type=float,
         default=0.0,
-        help="S3 bucket for the fleet (default off; inf: no limit)",
+        help="S3 tier for the fleet, as max_remote_size (default off; inf: no limit)",
     )
     t.add_argument("--hosts", type=int, default=1, help="serving hosts sharing the bucket")
     w = p.add_argument_group("workload (per serving host)")

@@ -8,8 +8,9 @@ a few requests, kvtier.prefix); at most ``align_down(prompt - 1, block)`` tokens
 each chunk from the fastest tier holding it and promoted into the faster ones; the chunks after
 the found ones are computed and written to every tier. Policies: CPU LRU; disk LRU refreshed
 only by its own reads and writes (a chunk served from CPU does not refresh its disk copy); S3
-first in, first out (the bucket's expiry by age: nothing refreshes it), capped at the bucket's
-size.
+likewise, capped at the bucket's size: what kvtier's cap on the shared tier keeps
+(``max_remote_size``, kvtier.tiers.bounded: a read from S3 touches the object), to within its
+pass interval.
 
 Chunks are keyed by conversation and position in the synthetic stream, or by the prompts' real
 chunk hashes (`requests_from_prompts`), e.g. experiment C's stream.
