@@ -132,7 +132,7 @@ def test_corrupt_data_does_not_open_the_breaker() -> None:
 def test_a_full_quota_or_a_vanished_object_does_not_open_the_breaker() -> None:
     tier = ScriptedTier()
     breaker = _breaker(tier, threshold=1)
-    for cause in ("QuotaExceeded", "404", "NoSuchKey"):
+    for cause in ("QuotaExceeded", "404", "http_404", "NoSuchKey"):
         breaker.failure(cause)
     assert breaker.state == "closed"
     breaker.failure("http_403")  # refused credentials: the tier cannot be used

@@ -6,10 +6,11 @@ the prefix over the cap):
 
 1. lists the prefix: every object's size and last-modified time. The bucket is the only state,
    so a restart loses nothing that bounds the tier;
-2. *touches* (copies onto itself) the objects it has read since its last pass, unless another
-   pass already did: their last-modified time becomes now. So an object's last-modified time is
-   its last write or its last read, to within one interval: an approximate LRU across hosts,
-   at one HEAD + one COPY per object read in an interval (not per read);
+2. *touches* (copies onto itself) the objects it has read since its last pass: their
+   last-modified time becomes now (RGW's clock; this host's is never compared with it). So an
+   object's last-modified time is its last write or its last read, to within one interval: an
+   approximate LRU across hosts, at one HEAD + one COPY per object read in an interval (not
+   per read). A touch that fails costs that object its recency, never the pass;
 3. when the listed bytes exceed the cap (or would, with the writes it skipped since its last
    pass), deletes the least recently used objects down to ``low_water`` of it, or lower to
    make room for those writes (1000 per request). Two writers evicting at once pick from the same
@@ -28,6 +29,7 @@ wrote since its last pass: the bound stated in docs/store.md.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -66,14 +68,21 @@ class BoundedTier(Tier):
         self._lock = threading.Lock()
         #: Notified at the end of each pass (writes waiting for room).
         self._passed = threading.Condition(self._lock)
-        #: Longest a write waits for a pass to make room for it.
-        self.admit_wait_secs = min(interval_secs, 5.0)
+        #: Longest a write waits for a pass to make room for it (it waits only while passes
+        #: take less: a huge prefix's listing must not hold the background writers).
+        self.admit_wait_secs = min(interval_secs, 2.0)
         self._listed = False
         self._fill = 0  # bytes listed at the last pass
-        self._written = 0  # bytes this process wrote since that pass began
+        #: Bytes of this process's writes under way (reserved as they start), and of those
+        #: that ended since the last pass's listing began (not in that listing for sure).
+        self._inflight = 0
+        self._completed = 0
         self._read: OrderedDict[str, None] = OrderedDict()
         self._evicted = 0
-        self._passes = 0
+        self._passes = 0  # passes completed
+        self._ended = 0  # passes ended, completed or failed (waiting writers watch it)
+        self._in_pass = False
+        self._last_pass_secs = 0.0
         #: Bytes of writes skipped since the last pass: the next pass frees room for them.
         self._demand = 0
         self._wake = threading.Event()
@@ -86,7 +95,7 @@ class BoundedTier(Tier):
     # ------------------------------------------------------------------ writes
     def _held(self) -> int:
         """Bytes under the prefix as this process knows them (the lock held)."""
-        return (self._fill if self._listed else 0) + self._written
+        return (self._fill if self._listed else 0) + self._completed + self._inflight
 
     def _fits(self, nbytes: int) -> bool:
         limit = self.capacity_bytes + self.slack_bytes if self._listed else self.slack_bytes
@@ -94,15 +103,17 @@ class BoundedTier(Tier):
 
     def _admit(self, nbytes: int) -> None:
         """Reserve ``nbytes`` of room (writes run in parallel: each counts from its start). A
-        write that does not fit asks for a pass that makes room for it and waits for it (it
-        runs in a background writer, never in a request), then is skipped if it still does not
-        fit."""
+        write that does not fit asks for a pass that makes room for it and, while passes are
+        quick, waits for it (it runs in a background writer, never in a request); then it is
+        skipped if it still does not fit."""
         with self._passed:
             if not self._fits(nbytes) and not self._closing.is_set():
                 self._demand = min(self.capacity_bytes // 2, self._demand + nbytes)
-                passes = self._passes
                 self._wake.set()
-                self._passed.wait_for(lambda: self._passes > passes, self.admit_wait_secs)
+                if self._listed and self._last_pass_secs <= self.admit_wait_secs:
+                    # The pass under way listed before this demand: wait for the next one.
+                    after = self._ended + int(self._in_pass)
+                    self._passed.wait_for(lambda: self._ended > after, self.admit_wait_secs)
             if not self._fits(nbytes):
                 raise TierError(
                     "over_cap",
@@ -110,22 +121,22 @@ class BoundedTier(Tier):
                     f"{self._held()} held as last listed plus written since): write skipped, "
                     "eviction did not free room in time",
                 )
-            self._written += nbytes
+            self._inflight += nbytes
             over = self._listed and self._held() > self.capacity_bytes
         if over:
             self._wake.set()
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._written -= nbytes
 
     def _write(self, nbytes: int, write: Callable[[], None]) -> None:
         self._admit(nbytes)
         try:
             write()
         except BaseException:
-            self._release(nbytes)
+            with self._lock:
+                self._inflight -= nbytes
             raise
+        with self._lock:
+            self._inflight -= nbytes
+            self._completed += nbytes
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         self._write(len(header) + len(payload), lambda: self.inner.put(key, header, payload))
@@ -175,53 +186,63 @@ class BoundedTier(Tier):
     # ------------------------------------------------------------------ the pass
     def run_pass(self) -> None:
         """List, touch what was read, evict down to the low-water mark (one pass)."""
-        started = time.time()
+        started = time.monotonic()
         with self._lock:
             read, self._read = list(self._read), OrderedDict()
-            written_before = self._written
+            # Writes that ended before the listing begins are in it; later ones may not be.
+            completed_before = self._completed
             demand, self._demand = self._demand, 0
-        objects = {key: (size, mtime) for key, size, mtime in self.inner.list_objects()}
+        listed = {key: (size, mtime) for key, size, mtime in self.inner.list_objects()}
+        # Recency: RGW's last-modified times (write or touch), never this host's clock; the
+        # objects touched now rank after every listed one.
+        order = {key: mtime for key, (_, mtime) in listed.items()}
+        touched = 0
         for key in read:
-            entry = objects.get(key)
-            # Touched by another pass, or written, since this one's last: recent enough.
-            if entry is not None and entry[1] < started - self.interval_secs:
-                try:
-                    self.inner.touch(key)
-                except TierError as exc:
-                    if exc.cause in ("NoSuchKey", "404", "http_404"):
-                        continue  # evicted by another writer meanwhile
-                    raise
-                objects[key] = (entry[0], started)
-        fill = sum(size for size, _ in objects.values())
+            if key in listed and self._touch(key):
+                order[key] = math.inf
+                touched += 1
+        fill = sum(size for size, _ in listed.values())
         victims: list[str] = []
         if fill + demand > self.capacity_bytes:
             target = min(self.low_bytes, self.capacity_bytes - demand)
-            for key, (size, _) in sorted(objects.items(), key=lambda kv: kv[1][1]):
+            for key in sorted(listed, key=order.__getitem__):
                 if fill <= target:
                     break
                 victims.append(key)
-                fill -= size
+                fill -= listed[key][0]
             self.inner.delete_many(victims)
             if self.on_evict is not None:
                 for key in victims:
                     self.on_evict(key)
         with self._lock:
             self._fill = fill
-            self._written -= written_before
+            self._completed -= completed_before
             self._listed = True
             self._evicted += len(victims)
             self._passes += 1
-            self._passed.notify_all()
+            self._last_pass_secs = time.monotonic() - started
         if victims:
             log.info(
-                "kvtier: %s tier over its cap of %d bytes: evicted %d objects, %d bytes left "
-                "(pass took %.1f s)",
+                "kvtier: %s tier over its cap of %d bytes: evicted %d objects, %d bytes left, "
+                "touched %d (pass took %.1f s)",
                 self.name,
                 self.capacity_bytes,
                 len(victims),
                 fill,
-                time.time() - started,
+                touched,
+                time.monotonic() - started,
             )
+
+    def _touch(self, key: str) -> bool:
+        """Touch one object read since the last pass; a failure (the object gone, RGW busy)
+        only costs that object its recency, never the pass its eviction."""
+        try:
+            self.inner.touch(key)
+        except TierError as exc:
+            if exc.cause != "circuit_open":
+                log.debug("kvtier: %s tier: touching %s failed (%s)", self.name, key, exc.cause)
+            return False
+        return True
 
     def _run(self) -> None:
         wait = 0.0  # the first pass at once: the fill is unknown until listed
@@ -230,6 +251,8 @@ class BoundedTier(Tier):
             self._wake.clear()
             if self._closing.is_set():
                 return
+            with self._lock:
+                self._in_pass = True
             try:
                 self.run_pass()
             except TierError as exc:
@@ -237,6 +260,8 @@ class BoundedTier(Tier):
             except Exception:  # the thread must outlive any failure: it bounds the tier
                 log.exception("kvtier: %s tier cap pass failed", self.name)
             with self._passed:  # a failed pass wakes the writers waiting for room too
+                self._in_pass = False
+                self._ended += 1
                 self._passed.notify_all()
             wait = self.interval_secs * random.uniform(0.8, 1.2)
 

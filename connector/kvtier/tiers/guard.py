@@ -36,8 +36,9 @@ _DATA_CAUSES = frozenset(
         "layout_mismatch",
         "key_mismatch",
         "bad_key",
-        # an object deleted meanwhile (another writer's eviction)
+        # an object deleted meanwhile (another writer's eviction), as boto3 and awscrt say it
         "404",
+        "http_404",
         "NoSuchKey",
         # the bucket's quota refused a write: reads go on (rgw_bucket_quota_max_size_gb)
         "QuotaExceeded",

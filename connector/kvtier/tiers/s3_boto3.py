@@ -239,22 +239,30 @@ class Boto3S3Tier(Tier):
 
     def touch(self, key: str) -> None:
         """Copy the object onto itself (S3 has no touch): its metadata is read first, since a
-        copy onto itself must replace it. RGW shares the data of a copy in the same bucket."""
+        copy onto itself must replace it, and the copy is made only of the object that HEAD
+        saw (``CopySourceIfMatch``), so a rewrite between the two keeps its own metadata. An
+        object gone or rewritten meanwhile is left as it is. RGW shares the data of a copy in
+        the same bucket."""
+        from botocore.exceptions import ClientError
+
         okey = self.object_key(key)
-        meta = self._call(
-            "HEAD", okey, lambda: self._client.head_object(Bucket=self.bucket, Key=okey)
-        ).get("Metadata", {})
-        self._call(
-            "COPY",
-            okey,
-            lambda: self._client.copy_object(
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=okey)
+            self._client.copy_object(
                 Bucket=self.bucket,
                 Key=okey,
                 CopySource={"Bucket": self.bucket, "Key": okey},
-                Metadata=meta,
+                CopySourceIfMatch=head["ETag"],
+                Metadata=head.get("Metadata", {}),
                 MetadataDirective="REPLACE",
-            ),
-        )
+            )
+        except Exception as exc:
+            if self._is_not_found(exc) or (
+                isinstance(exc, ClientError)
+                and exc.response.get("Error", {}).get("Code") == "PreconditionFailed"
+            ):
+                return  # evicted by another writer, or rewritten: recent already
+            raise TierError(error_cause(exc), f"S3 COPY s3://{self.bucket}/{okey}: {exc}") from exc
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete up to 1000 keys per request; return how many were deleted."""
