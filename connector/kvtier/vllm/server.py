@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -88,6 +90,9 @@ class VllmServer:
     startup_timeout: float = 240.0
     _proc: subprocess.Popen[bytes] | None = None
     _log: TextIO | None = None
+    #: vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH): a directory of this start's, removed at stop
+    #: (in /tmp, vLLM leaves a socket file or two behind at every start).
+    _rpc_dir: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -120,6 +125,9 @@ class VllmServer:
         if self.fast_cpu:
             env.update(FAST_CPU_ENV)
         env.update(self.env)
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self._rpc_dir = tempfile.mkdtemp(prefix="kvtier-vllm-rpc-")
+            env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("a")
         self._log.write(f"\n==== start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n")
@@ -166,9 +174,16 @@ class VllmServer:
                 proc.wait(timeout=timeout)
         if proc is not None:
             _reap_group(proc.pid)
+        self._closed()
+
+    def _closed(self) -> None:
+        """The process group is gone: close the log, remove the sockets' directory."""
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     def kill(self) -> None:
         """SIGKILL the whole server (API process, engine, workers) at once: a crash, not a stop.
@@ -177,9 +192,7 @@ class VllmServer:
         if proc is not None:
             _reap_group(proc.pid)
             proc.wait(timeout=30)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._closed()
 
     def restart(self) -> VllmServer:
         self.stop()
