@@ -255,8 +255,11 @@ class BoundedTier(Tier):
                 self._in_pass = True
             try:
                 self.run_pass()
-            except TierError as exc:
-                log.warning("kvtier: %s tier cap pass failed (%s): %s", self.name, exc.cause, exc)
+            except TierError as exc:  # the breaker, open, has said so once already
+                level = logging.DEBUG if exc.cause == "circuit_open" else logging.WARNING
+                log.log(
+                    level, "kvtier: %s tier cap pass failed (%s): %s", self.name, exc.cause, exc
+                )
             except Exception:  # the thread must outlive any failure: it bounds the tier
                 log.exception("kvtier: %s tier cap pass failed", self.name)
             with self._passed:  # a failed pass wakes the writers waiting for room too
