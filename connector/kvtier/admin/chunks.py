@@ -23,10 +23,6 @@ def persistent_tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
         yield Boto3S3Tier.from_config(cfg)
 
 
-def delete_keys(tier: Tier, keys: list[str]) -> int:
-    return tier.delete_many(keys)
-
-
 def chunks_held(tier: Tier, keys: list[str]) -> int:
     """Chunks in the objects ``keys`` of ``tier``: an object of a run lists its chunks (asked
     with a HEAD each, in parallel on a remote tier), any other holds one."""
@@ -75,7 +71,7 @@ def purge_namespace(cfg: KvtierConfig, namespace: str, only: str | None = None) 
     for tier in persistent_tiers(cfg, only):
         try:
             keys = [k for k, _ in tier.list_keys(f"{namespace}/")]
-            deleted[tier.name] = delete_keys(tier, keys)
+            deleted[tier.name] = tier.delete_many(keys)
         finally:
             tier.close()
     return deleted

@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvtier.admin.chunks import delete_keys, persistent_tiers
+from kvtier.admin.chunks import persistent_tiers
 from kvtier.admin.doctor import Doctor
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.keys import ChunkKey
@@ -203,7 +203,7 @@ def cmd_purge(args: argparse.Namespace, confirm: Callable[[str], str] = input) -
             return 1
     for tier, keys, _ in plan:
         try:
-            deleted = delete_keys(tier, keys)
+            deleted = tier.delete_many(keys)
         except TierError as exc:
             print(f"error: purge on {tier.name} stopped: {exc.cause}: {exc}", file=sys.stderr)
             return 1

@@ -288,20 +288,48 @@ def verify_settings(server: VllmServer, values: dict[str, Any], **overrides: Any
     return Settings(**settings)
 
 
+def assert_a_layout_per_worker(
+    server: VllmServer,
+    s3_target: S3Target,
+    fingerprints: dict[int, str],
+    workers: int,
+    chunks_each: int,
+) -> None:
+    """Each of the ``workers`` of a parallel server (TP ranks or PP stages, numbered from 0 in
+    ``fingerprints``) stored ``chunks_each`` chunks under a layout of its own."""
+    wanted = workers * chunks_each
+    assert s3_target.wait_for_chunks(wanted) == wanted, server.log_tail()
+    assert sorted(fingerprints) == list(range(workers)), server.log_tail()
+    assert len(set(fingerprints.values())) == workers, server.log_tail()
+    assert s3_target.chunks_by_layout() == dict.fromkeys(fingerprints.values(), chunks_each)
+
+
+def assert_warm_from_s3(server: VllmServer, doc: list[int], reference: Any, ranks: int) -> None:
+    """``doc`` on a server restarted with nothing local: each of its ``ranks`` workers loads
+    every chunk from S3, none fails, and the tokens are ``reference``'s (its cold run)."""
+    c = Counters(server)
+    warm = server.complete(doc, max_tokens=OUTPUT_TOKENS)
+    chunks = (len(doc) // CHUNK) * ranks
+    assert c.delta("kvtier:tier_hits_total", tier="s3") == chunks, server.log_tail()
+    assert c.delta("kvtier:load_failed_tokens_total") == 0
+    assert_same_tokens(warm, reference, c, ranks=ranks)
+
+
 def a_lost_layout_heals(
     server: VllmServer,
     s3_target: S3Target,
     doc: list[int],
+    reference: Any,
     fingerprint: str,
     held: int,
     restart: Callable[[], None],
     ranks: int,
-) -> tuple[Any, Counters]:
+) -> None:
     """Delete the object of ``doc``'s first chunk under one rank's (or stage's) layout
     ``fingerprint``, which holds ``held`` chunks in all: after ``restart`` the next request pays
     a failed load on that rank, the chunks are saved again as vLLM recomputes them (on the code
-    before the scheduler re-saved them, never), and after another ``restart`` every rank hits
-    again. Returns that last request and its counters."""
+    before the scheduler re-saved them, never), and after another ``restart`` every rank loads
+    ``doc`` from S3 again with ``reference``'s tokens."""
     first = chunk_hashes(doc, CHUNK)[0]
     lost = [k for k in s3_target.objects() if k.endswith(f"/{fingerprint}/{first}")]
     assert len(lost) == 1
@@ -318,9 +346,4 @@ def a_lost_layout_heals(
         )
         time.sleep(0.5)  # background writes: nothing to wait on but the listing
     restart()
-    c = Counters(server)
-    again = server.complete(doc, max_tokens=OUTPUT_TOKENS)
-    chunks = (len(doc) // CHUNK) * ranks
-    assert c.delta("kvtier:tier_hits_total", tier="s3") == chunks, server.log_tail()
-    assert c.delta("kvtier:load_failed_tokens_total") == 0
-    return again, c
+    assert_warm_from_s3(server, doc, reference, ranks)

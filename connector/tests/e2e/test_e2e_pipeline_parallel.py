@@ -19,11 +19,11 @@ import pytest
 from _e2e import (
     CHUNK,
     OUTPUT_TOKENS,
-    Counters,
     S3Target,
     Servers,
     a_lost_layout_heals,
-    assert_same_tokens,
+    assert_a_layout_per_worker,
+    assert_warm_from_s3,
     prompt,
 )
 
@@ -72,30 +72,22 @@ def test_each_stage_stores_its_own_layers_and_loads_them_back(
 ) -> None:
     server: VllmServer = pp["server"]
     pp["cold"] = [server.complete(doc, max_tokens=OUTPUT_TOKENS) for doc in DOCS]
-    wanted = STAGES * CHUNKS * len(DOCS)
-    assert s3_target.wait_for_chunks(wanted) == wanted, server.log_tail()
-    fps = _fingerprints(server)
-    assert sorted(fps) == [0, 1] and fps[0] != fps[1], server.log_tail()
-    assert s3_target.chunks_by_layout() == {fps[0]: CHUNKS * len(DOCS), fps[1]: CHUNKS * len(DOCS)}
+    assert_a_layout_per_worker(server, s3_target, _fingerprints(server), STAGES, CHUNKS * len(DOCS))
     _restart(server)
-    c = Counters(server)
-    warm = server.complete(DOCS[0], max_tokens=OUTPUT_TOKENS)
-    assert c.delta("kvtier:tier_hits_total", tier="s3") == STAGES * CHUNKS, server.log_tail()
-    assert c.delta("kvtier:load_failed_tokens_total") == 0
-    assert_same_tokens(warm, pp["cold"][0], c, ranks=STAGES)
+    assert_warm_from_s3(server, DOCS[0], pp["cold"][0], ranks=STAGES)
 
 
 def test_a_stage_that_lost_its_chunks_heals_after_one_failed_load(
     pp: dict[str, Any], s3_target: S3Target
 ) -> None:
     server: VllmServer = pp["server"]
-    again, c = a_lost_layout_heals(
+    a_lost_layout_heals(
         server,
         s3_target,
         DOCS[1],
+        pp["cold"][1],
         _fingerprints(server)[1],
         held=CHUNKS * len(DOCS),
         restart=lambda: _restart(server),
         ranks=STAGES,
     )
-    assert_same_tokens(again, pp["cold"][1], c, ranks=STAGES)
