@@ -2,7 +2,8 @@
 A wrote (B has never seen the prompt, so its hits can only come from S3), and namespaces keep
 tenants apart: B's requests in a namespace of their own never hit A's chunks of the same prompt,
 and a request naming a namespace B does not allow is served without kvtier. After that traffic,
-B's /metrics serves every series monitoring/'s dashboard and alert rules read."""
+B's /metrics serves every series monitoring/'s dashboard and alert rules read (B has a cap on the
+shared tier, so its fill and cap are among them)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ def test_server_b_hits_what_server_a_wrote_and_tenants_stay_apart(
     assert s3_target.wait_for_chunks(n) == n
     b = servers.make(
         "shared-b",
-        s3_target.kvtier(local_disk=str(scratch / "b"), request_namespaces=["tenant-b"], **tiers),
+        s3_target.kvtier(
+            local_disk=str(scratch / "b"),
+            request_namespaces=["tenant-b"],
+            # A cap far above what this test writes: B then serves the shared tier's fill and
+            # cap, which the over-cap alert reads; nothing is evicted.
+            max_remote_size=8.0,
+            **tiers,
+        ),
         env=s3_target.env,
     )
     c = Counters(b)
