@@ -201,6 +201,13 @@ class KvtierConfig(BaseModel):
     #: the fill its writes are checked against); a writer that takes the prefix over its cap
     #: lists it at once.
     remote_evict_interval_secs: float = Field(default=30.0, gt=0)
+    #: Admission (kvtier.admission): a chunk is written to the remote tier only from the
+    #: ``remote_admit_after``-th request whose prompt holds its prefix on (counted by each
+    #: server); before, the local tiers (CPU, disk) keep it. ``1``: every chunk, as computed.
+    remote_admit_after: int = Field(default=1, ge=1)
+    #: Chunks whose sights are counted (the most recently seen; ~150 bytes each): a chunk not
+    #: seen again within them starts from one.
+    remote_admit_window_chunks: int = Field(default=100_000, ge=1)
     #: ``true``: refuse to start when the remote tier cannot be used at start (wrong endpoint,
     #: credentials or bucket). ``false``: log the cause once, serve without it, probe it again.
     remote_required: bool = False

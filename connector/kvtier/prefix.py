@@ -72,6 +72,13 @@ class RemotePrefix:
     objects: tuple[tuple[int, int], ...] = ()
     requests: int = 0
 
+    def holds(self, chunk: int) -> bool:
+        """Whether the lookup saw ``chunk`` in one of the remote tier's objects (a walk over
+        objects of several chunks starts at the first chunk; a search over one-chunk objects
+        starts after the local tiers' chunks, so it never says so for those)."""
+        first, _ = self.object_of(chunk)
+        return first != chunk or any(start == chunk for start, _ in self.objects)
+
     def object_of(self, chunk: int) -> tuple[int, int]:
         """(first chunk index of the object holding ``chunk``, its position in that object);
         (chunk, 0) for a chunk in no object of the chain (an object of its own)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar, cast
 
+from kvtier.admission import SaveTiers
 from kvtier.config import KvtierConfig
 from kvtier.format import (
     FormatError,
@@ -400,10 +401,12 @@ class TieredStore:
         self,
         chunks: Sequence[tuple[str, bytes | memoryview, int]],
         on_done: Callable[[], None] | None = None,
+        tiers: SaveTiers = "all",
     ) -> None:
         """Store consecutive chunks of one prompt, each (hash, payload, tokens): every tier but
         the remote one as chunks; the remote tier as one object keyed by the first chunk.
-        Never raises on I/O.
+        ``tiers``: "local" leaves the remote tier out, "remote" writes it only (the remote
+        tier's admission rule, kvtier.admission). Never raises on I/O.
 
         A payload given as a view is lent: with ``on_done`` the background writes (disk, S3)
         read the view itself, and ``on_done`` is called once the last of them has ended
@@ -428,6 +431,8 @@ class TieredStore:
             self._stats.put_bytes += sum(len(item[1]) for _, item in items)
         latch = _Latch(on_done)
         for tier in self.tiers:
+            if (tiers == "local" and tier.remote) or (tiers == "remote" and not tier.remote):
+                continue
             if tier.remote:
                 self._write_async(tier, items, latch)
             elif tier.name == "cpu":

@@ -218,3 +218,19 @@ def test_chunks_read_from_an_object_are_promoted_into_the_cpu_tier() -> None:
         gets = tier.gets
         assert store.get_many([h for h, _ in data]) == [p for _, p in data]
         assert tier.gets == gets  # the second read is local
+
+
+def test_a_run_goes_to_the_tiers_its_save_names() -> None:
+    """The remote tier's admission rule (kvtier.admission): "local" runs skip the remote tier,
+    "remote" runs (a late admission) write it only; "all" writes both."""
+    tier = ObjectTier()
+    data = chunks(6, size=2048)
+    with _store(tier, runs=2, cpu=1 << 20) as store:
+        cpu = store.tiers[0]
+        store.put_run([(h, p, 256) for h, p in data[:2]], tiers="local")
+        store.put_run([(h, p, 256) for h, p in data[2:4]], tiers="remote")
+        store.put_run([(h, p, 256) for h, p in data[4:]])
+        assert store.flush(10)
+        held = [cpu.contains(store.key(h)) for h, _ in data]
+        assert held == [True, True, False, False, True, True]
+        assert set(tier.objects) == {store.key(data[2][0]), store.key(data[4][0])}

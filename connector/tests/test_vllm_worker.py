@@ -104,14 +104,17 @@ class Store:
         return [self.held.get(r.chunk_id) for r in wanted]
 
     put: list[tuple[str, bytes]]
+    put_tiers: list[str]
     on_done: list[Callable[[], None]]
 
     def put_run(
         self,
         chunks: Sequence[tuple[str, bytes | memoryview, int]],
         on_done: Callable[[], None] | None = None,
+        tiers: str = "all",
     ) -> None:
         self.__dict__.setdefault("put", []).extend((h, bytes(p)) for h, p, _ in chunks)
+        self.__dict__.setdefault("put_tiers", []).extend(tiers for _ in chunks)
         if on_done is not None:  # the tiers' writes end when the test says so
             self.__dict__.setdefault("on_done", []).append(on_done)
 
@@ -278,8 +281,8 @@ def test_a_load_of_a_chunk_still_being_saved_waits_for_the_save() -> None:
     copier = Copier()
 
     class Saved(Store):
-        def put_run(self, chunks: Any, on_done: Any = None) -> None:
-            super().put_run(chunks, on_done)
+        def put_run(self, chunks: Any, on_done: Any = None, tiers: str = "all") -> None:
+            super().put_run(chunks, on_done, tiers)
             for h, p, _ in chunks:
                 self.held[h] = bytes(p)
 
@@ -302,4 +305,24 @@ def test_on_the_cpu_build_a_save_is_in_the_store_when_save_returns() -> None:
     worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
     worker.save([_save("r", 0), _save("r", 1)])
     assert [h for h, _ in store.put] == ["s0", "s1"]
+    worker.close(1)
+
+
+def test_a_late_admission_of_a_chunk_that_failed_to_load_in_the_step_is_not_saved() -> None:
+    """A chunk a local tier held goes to the remote tier from the request's blocks when its
+    sight admits it (kvtier.admission). If its load failed in this step, the blocks do not hold
+    it: that save is dropped (counted); the others go to the tiers their specs name."""
+    copier, store = Copier(), Store({"c0": PAYLOAD})  # c1 is gone
+    copier.copies_in_background = False
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    worker.load([_spec("r", 0, False), _spec("r", 1, False)])
+    late = [
+        SaveSpec("r", f"c{k}", (2 * k, 2 * k + 1), 32, "c0", index=k, tiers="remote")
+        for k in (0, 1)
+    ]
+    worker.save([*late, SaveSpec("r", "c2", (4, 5), 32, "c2", index=2, tiers="local")])
+    assert [h for h, _ in store.put] == ["c0", "c2"]
+    assert store.put_tiers == ["remote", "local"]
+    assert worker.take_stats()["save_dropped_chunks"] == 1
+    assert worker.take_failed_blocks() == {2, 3}
     worker.close(1)

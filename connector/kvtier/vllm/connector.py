@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.admission import Admission
 from kvtier.config import KvtierConfig, load_config
 from kvtier.format import HEADER_SIZE, chunks_per_object
 from kvtier.keys import model_identity
@@ -232,7 +233,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.layout.block_size,
                 cfg.chunk_size,
                 ranks=self._ranks,
-                background_tiers=bool(cfg.disk_bytes) + bool(cfg.remote_url),
+                background_tiers=[
+                    name for name, on in (("disk", cfg.disk_bytes), ("s3", cfg.remote_url)) if on
+                ],
             )
         self._scheduler = SchedulerSide(
             chunk_size=cfg.chunk_size,
@@ -250,6 +253,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if disk is not None and store is not None
                 else None
             ),
+            admission=(
+                Admission(cfg.remote_admit_after, cfg.remote_admit_window_chunks)
+                if cfg.remote_url and cfg.remote_admit_after > 1
+                else None
+            ),
+            local_tiers=cfg.cpu_bytes > 0 or cfg.disk_bytes > 0,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -398,7 +407,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = sched.take_plan()
         if self._publisher is not None:  # what the chunks saved or loaded (and promoted) cover
             bs = self.layout.block_size
-            self._publisher.expect_saves(sum(s.req_id in self._event_requests for s in plan.saves))
+            self._publisher.expect_saves(s for s in plan.saves if s.req_id in self._event_requests)
             chunks = [(s.req_id, s.chunk_hash, s.index, s.num_tokens) for s in plan.saves]
             chunks += [(s.req_id, s.chunk_hash, s.index, s.stored_blocks * bs) for s in plan.loads]
             for req_id, digest, index, num_tokens in chunks:

@@ -33,13 +33,14 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents
 
 from kvtier.keys import ChunkKey
+from kvtier.vllm.plan import SaveSpec
 
 #: kvtier tier name -> the ``medium`` of its events.
 MEDIUMS = {"cpu": "CPU", "disk": "DISK", "s3": "S3"}
@@ -142,7 +143,11 @@ class EventPublisher:
     into vLLM events, and hands them to vLLM (`take`). vLLM's scheduler thread only."""
 
     def __init__(
-        self, block_size: int, chunk_size: int, ranks: int, background_tiers: int = 0
+        self,
+        block_size: int,
+        chunk_size: int,
+        ranks: int,
+        background_tiers: Collection[str] = (),
     ) -> None:
         self.block_size = block_size
         self.blocks_per_chunk = chunk_size // block_size
@@ -150,7 +155,7 @@ class EventPublisher:
         self.ranks = ranks
         #: Reports still to come of the background writes (disk, S3) of the saves planned,
         #: and when the last was planned (see `waiting_for_reports`).
-        self.background_tiers = background_tiers
+        self.background_tiers = frozenset(background_tiers)  # of "disk", "s3"
         self._expected = 0
         self._last_planned = 0.0
         self.published = 0
@@ -160,9 +165,12 @@ class EventPublisher:
         self._events: list[BlockStored | BlockRemoved] = []
 
     # ------------------------------------------------------------------ what a chunk covers
-    def expect_saves(self, chunks: int) -> None:
-        """``chunks`` saves were planned: their background writes will report."""
-        self._expected += chunks * self.ranks * self.background_tiers
+    def expect_saves(self, saves: Iterable[SaveSpec]) -> None:
+        """These saves were planned: their background writes (of the tiers each names, see
+        `SaveSpec.tiers`) will report."""
+        tiers = {"all": {"disk", "s3"}, "local": {"disk"}, "remote": {"s3"}}
+        writes = sum(len(tiers[s.tiers] & self.background_tiers) for s in saves)
+        self._expected += writes * self.ranks
         self._last_planned = time.monotonic()
 
     def waiting_for_reports(self) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.admission import SaveTiers
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -31,8 +33,9 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Copy `block_ids` (all layers) and store them under `chunk_hash`. Consecutive specs with
-    the same ``object_hash`` (the run's first chunk) go to the remote tier as one object."""
+    """Copy `block_ids` (all layers) and store them under `chunk_hash` in ``tiers``.
+    Consecutive specs with the same ``object_hash`` (the run's first chunk) go to the remote
+    tier as one object."""
 
     req_id: str
     chunk_hash: str
@@ -41,6 +44,7 @@ class SaveSpec:
     object_hash: str = ""
     #: The chunk's index in its prompt (for KV events: the blocks it covers).
     index: int = 0
+    tiers: SaveTiers = "all"
 
 
 @dataclass

@@ -25,6 +25,12 @@ Rules:
   earlier chunks' blocks are still the request's), the last run when the prompt is done. So
   prompts prefilled over several steps (chunked prefill) are saved step by step. The trailing
   partial chunk is saved (its fully written blocks only) when ``save_unfull_chunk`` is on.
+- With an admission rule on the remote tier (``remote_admit_after`` > 1, kvtier.admission), a
+  chunk computed before its prefix was seen often enough is saved to the local tiers only (its
+  run cut where the admitted chunks end, so the remote tier's objects stay prefix-ordered), and
+  a chunk the local tiers (or vLLM's prefix cache) hold is saved to the remote tier from the
+  request's blocks on the sight that admits it, once those blocks are loaded ("late
+  admission"; a failed load cancels it, and the recompute saves the chunk to every tier).
 - The scheduler cannot see the worker's CPU tier (another process in production). It keeps
   an LRU index of the chunks it told the worker to save or load (each lands in the worker's
   CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
@@ -50,6 +56,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.admission import Admission, SaveTiers
 from kvtier.keys import chunk_hashes, chunk_id
 from kvtier.prefix import RemotePrefix
 from kvtier.ratelimit import RateLimitedLog
@@ -98,6 +105,11 @@ class _Request:
     known_stored: int = 0
     #: False for a request that asked for a namespace it may not use: no load, no save.
     enabled: bool = True
+    #: With an admission rule: each chunk's sights counted at the lookup (this one included),
+    #: and the chunks a local tier holds that this sight admits to the remote tier, in order,
+    #: until they are saved there.
+    sights: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -109,6 +121,10 @@ class SchedulerCounters:
     hit_tokens: int = 0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     planned_save_chunks: int = 0
+    #: Admission to the remote tier: chunks saved without it (not admitted yet), and chunks
+    #: the local tiers held that were saved to it when admitted (late admission).
+    remote_unadmitted_chunks: int = 0
+    remote_late_admitted_chunks: int = 0
     #: Lookups that asked the remote tier, their time until answered (or given up), and those
     #: given up after lookup_timeout.
     remote_lookups: int = 0
@@ -126,6 +142,8 @@ class SchedulerCounters:
             "lookup_tokens": self.lookup_tokens,
             "hit_tokens": self.hit_tokens,
             "planned_save_chunks": self.planned_save_chunks,
+            "remote_unadmitted_chunks": self.remote_unadmitted_chunks,
+            "remote_late_admitted_chunks": self.remote_late_admitted_chunks,
             "remote_lookups": self.remote_lookups,
             "remote_lookup_seconds" + SAMPLES: self.remote_lookup_seconds,
             "lookup_timeouts": self.lookup_timeouts,
@@ -139,6 +157,7 @@ class SchedulerCounters:
         self.lookup_requests = self.lookup_tokens = self.hit_tokens = 0
         self.planned_save_chunks = self.remote_lookups = self.lookup_timeouts = 0
         self.prefix_divergences = 0
+        self.remote_unadmitted_chunks = self.remote_late_admitted_chunks = 0
         self.remote_lookup_seconds = []
         self.hit_tokens_by_tier = {}
         return out
@@ -187,6 +206,8 @@ class SchedulerSide:
         disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
         remote_tier: str = "s3",
         on_lookup: Callable[[int, int], None] | None = None,
+        admission: Admission | None = None,
+        local_tiers: bool = True,
     ) -> None:
         if chunk_size % block_size:
             raise ValueError(
@@ -206,6 +227,10 @@ class SchedulerSide:
         self._on_lookup = on_lookup
         self._disk_contains = disk_contains
         self._remote_tier = remote_tier
+        #: The remote tier's admission rule (None: every chunk is admitted), and whether a
+        #: local tier takes the chunks it does not admit (else they are not saved at all).
+        self.admission = admission
+        self.local_tiers = local_tiers
         self._reqs: dict[str, _Request] = {}
         self._scheduled: list[str] = []
         self._plan = StepPlan()
@@ -299,6 +324,13 @@ class SchedulerSide:
             self.counters.lookup_tokens += st.prompt_len
             if self._on_lookup is not None:
                 self._on_lookup(len(st.hashes), st.found_chunks)
+            if self.admission is not None:
+                st.sights = self.admission.see(st.hashes)
+                st.late = [
+                    k
+                    for k in range(st.found_local)
+                    if self.admission.admits_now(st.sights[k]) and not st.remote.holds(k)
+                ]
             self._check_divergence(req_id, st)
         st.local_tokens = num_computed_tokens
         found_tokens = min(st.found_chunks * self.chunk_size, st.prompt_len)
@@ -464,22 +496,71 @@ class SchedulerSide:
             done = last
         if st.found_chunks is not None:
             st.known_stored = max(st.known_stored, st.found_chunks)
+        if st.late:
+            self._plan_late_admissions(req_id, st, done)
         start = max(st.next_save, st.known_stored)
         while start < last:
             # Runs start where the stored chunks end and are cut every `runs` chunks.
             end = min(last, st.known_stored + ((start - st.known_stored) // runs + 1) * runs)
             if done < end:
                 break
+            tiers: SaveTiers = "all"
+            head = start  # the first chunk of the object this chunk goes into
             for k in range(start, end):
-                blocks, tokens = (cs // bs, cs) if k < full_chunks else (partial // bs, partial)
-                if not self._save(req_id, st, k, blocks, tokens, st.hashes[start]):
+                if tiers == "all" and not self._admitted(st, k):
+                    tiers, head = "local", k  # the remote tier's object ends before it
+                if tiers == "local":
+                    self.counters.remote_unadmitted_chunks += 1
+                    if not self.local_tiers:
+                        continue
+                if not self._save(
+                    req_id, st, k, *self._chunk_blocks(st, k), st.hashes[head], tiers
+                ):
                     end = last  # the blocks ran out: nothing after this chunk can be saved
                     break
             start = end
         st.next_save = start
 
+    def _chunk_blocks(self, st: _Request, k: int) -> tuple[int, int]:
+        """(blocks, tokens) a saved copy of chunk k holds: all of a full chunk; of the partial
+        one (save_unfull_chunk) its fully written blocks only, since the last block's tail is
+        filled later by decoding and loads never reach it."""
+        cs, bs = self.chunk_size, self.block_size
+        if k < st.prompt_len // cs:
+            return cs // bs, cs
+        partial = st.prompt_len % cs
+        return partial // bs, partial
+
+    def _admitted(self, st: _Request, k: int) -> bool:
+        """Whether chunk k goes to the remote tier when saved (a chunk whose sights were not
+        counted is not: unknown means no)."""
+        if self.admission is None:
+            return True
+        return k < len(st.sights) and self.admission.admits(st.sights[k])
+
+    def _plan_late_admissions(self, req_id: str, st: _Request, done: int) -> None:
+        """Save to the remote tier the chunks a local tier held that this request's sight
+        admitted, from its blocks, once they hold the chunks (loaded, or computed: the last
+        token is always computed); in runs of consecutive chunks cut every ``object_chunks``."""
+        ready = [k for k in st.late if k < done]
+        st.late = [k for k in st.late if k >= done]
+        for run in _runs(ready, self.object_chunks):
+            for k in run:
+                if not self._save(
+                    req_id, st, k, *self._chunk_blocks(st, k), st.hashes[run[0]], "remote"
+                ):
+                    return
+                self.counters.remote_late_admitted_chunks += 1
+
     def _save(
-        self, req_id: str, st: _Request, k: int, num_blocks: int, num_tokens: int, run: str
+        self,
+        req_id: str,
+        st: _Request,
+        k: int,
+        num_blocks: int,
+        num_tokens: int,
+        run: str,
+        tiers: SaveTiers = "all",
     ) -> bool:
         first = k * self.blocks_per_chunk
         blocks = st.block_ids[first : first + num_blocks]
@@ -493,9 +574,10 @@ class SchedulerSide:
             )
             return False
         self._plan.saves.append(
-            SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens, run, index=k)
+            SaveSpec(req_id, st.hashes[k], tuple(blocks), num_tokens, run, index=k, tiers=tiers)
         )
-        self.cpu_index.add(st.hashes[k])
+        if tiers != "remote":
+            self.cpu_index.add(st.hashes[k])
         self.counters.planned_save_chunks += 1
         return True
 
@@ -512,6 +594,9 @@ class SchedulerSide:
             ]
             if failed:
                 k = failed[0]
+                # Chunks from k on are recomputed (and saved as computed): their blocks, which
+                # did not load, must not be saved to the remote tier now.
+                st.late = [j for j in st.late if j < k]
                 st.found_chunks = k
                 st.known_stored = min(st.known_stored, k)
                 st.next_save = min(st.next_save, k)
@@ -522,3 +607,14 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
+
+
+def _runs(chunks: Sequence[int], span: int) -> list[list[int]]:
+    """Increasing chunk indices as runs of consecutive ones, each cut every ``span`` chunks."""
+    runs: list[list[int]] = []
+    for k in chunks:
+        if runs and runs[-1][-1] == k - 1 and len(runs[-1]) < span:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs

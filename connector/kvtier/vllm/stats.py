@@ -10,9 +10,11 @@ the lists.
 Names (values are token or chunk counts unless the name says otherwise):
 - scheduler: ``lookup_requests``, ``lookup_tokens`` (prompt tokens looked up), ``hit_tokens``
   (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
-  ``planned_save_chunks``, ``remote_lookups``, ``lookup_timeouts`` (remote lookups given up
-  after lookup_timeout_secs), ``remote_lookup_seconds@samples``, ``prefix_divergences``
-  (requests whose prompt diverged from an earlier one's where their lookup stopped),
+  ``planned_save_chunks``, ``remote_unadmitted_chunks`` and ``remote_late_admitted_chunks``
+  (admission to the remote tier, kvtier.admission), ``remote_lookups``, ``lookup_timeouts``
+  (remote lookups given up after lookup_timeout_secs), ``remote_lookup_seconds@samples``,
+  ``prefix_divergences`` (requests whose prompt diverged from an earlier one's where their
+  lookup stopped),
   ``uncached_requests.<reason>`` (requests served without kvtier, `kvtier.vllm.identity`);
 - worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
   ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
@@ -94,6 +96,16 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Prompt tokens whose load failed (vLLM recomputed them).",
     ),
     ("kvtier:saved_chunks", "saved_chunks", "Chunks handed to the store."),
+    (
+        "kvtier:remote_unadmitted_chunks",
+        "remote_unadmitted_chunks",
+        "Chunks saved without the remote tier: their prefix not yet seen remote_admit_after times.",
+    ),
+    (
+        "kvtier:remote_late_admitted_chunks",
+        "remote_late_admitted_chunks",
+        "Chunks a local tier held, saved to the remote tier on the sight that admitted them.",
+    ),
     ("kvtier:saved_bytes", "saved_bytes", "Payload bytes handed to the store."),
     ("kvtier:dropped_writes", "dropped_writes", "Background tier writes dropped (backpressure)."),
     (

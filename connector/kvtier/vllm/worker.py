@@ -36,6 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any, Protocol
 
+from kvtier.admission import SaveTiers
 from kvtier.stats import SAMPLES, StoreStats, store_deltas, without_fill
 from kvtier.store import ChunkRef
 from kvtier.vllm.copier import BlockCopier, HostBuffer, SlotsBusy
@@ -55,14 +56,16 @@ class ChunkStore(Protocol):
         self,
         chunks: Sequence[tuple[str, bytes | memoryview, int]],
         on_done: Callable[[], None] | None = None,
+        tiers: SaveTiers = "all",
     ) -> None: ...
     def stats(self) -> StoreStats: ...
     def close(self, timeout: float | None = ...) -> None: ...
 
 
-def _run_of(spec: SaveSpec) -> tuple[str, str]:
-    """What makes consecutive saves one object: the request and its run's first chunk."""
-    return spec.req_id, spec.object_hash or spec.chunk_hash
+def _run_of(spec: SaveSpec) -> tuple[str, str, str]:
+    """What makes consecutive saves one object: the request, its run's first chunk, and the
+    tiers they go to."""
+    return spec.req_id, spec.object_hash or spec.chunk_hash, spec.tiers
 
 
 class WorkerSide:
@@ -284,8 +287,15 @@ class WorkerSide:
         start = time.perf_counter()
         queued: list[tuple[SaveSpec, HostBuffer]] = []
         given_up: set[str] = set()  # requests whose later chunks of this step are not saved
+        with self._lock:
+            failed_loads = set(self._failed_blocks)
         for spec in specs:
             if spec.req_id in given_up:
+                self._count("save_dropped_chunks")
+                continue
+            if spec.tiers == "remote" and not failed_loads.isdisjoint(spec.block_ids):
+                # A late admission of a chunk whose load failed in this step: its blocks do not
+                # hold it (vLLM recomputes them, and the scheduler saves them as computed).
                 self._count("save_dropped_chunks")
                 continue
             try:
@@ -335,7 +345,7 @@ class WorkerSide:
                     self._count("save_failed_chunks", len(run))
                     _release(run)
                     continue
-                self.store.put_run(chunks, on_done=partial(_release, run))
+                self.store.put_run(chunks, on_done=partial(_release, run), tiers=run[0][0].tiers)
                 self._count("saved_chunks", len(chunks))
                 self._count("saved_bytes", sum(len(p) for _, p, _ in chunks))
         finally:

@@ -114,7 +114,10 @@ class _Store:
         return [self.held.get(r.chunk_id) for r in refs]
 
     def put_run(
-        self, chunks: Sequence[tuple[str, Any, int]], on_done: Callable[[], None] | None = None
+        self,
+        chunks: Sequence[tuple[str, Any, int]],
+        on_done: Callable[[], None] | None = None,
+        tiers: str = "all",
     ) -> None:
         from kvtier.format import checksum
 

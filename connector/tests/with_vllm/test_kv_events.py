@@ -18,6 +18,7 @@ from vllm.v1.request import Request
 
 from kvtier.vllm import events as events_module
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports
+from kvtier.vllm.plan import SaveSpec
 
 
 def test_a_stored_chunk_names_vllms_own_blocks() -> None:
@@ -118,16 +119,21 @@ def test_the_engine_keeps_stepping_until_the_background_writes_reported(
 ) -> None:
     """vLLM publishes events only in its steps: while a save's disk and S3 writes have not
     reported, the connector asks for steps (has_pending_push_work), and not beyond a bound."""
-    pub = EventPublisher(BLOCK, CHUNK, ranks=2, background_tiers=2)
+    pub = EventPublisher(BLOCK, CHUNK, ranks=2, background_tiers={"disk", "s3"})
     pub.remember("d0", _request(), 0, CHUNK)
     assert not pub.waiting_for_reports()
-    pub.expect_saves(1)  # 2 ranks x (disk, S3)
+    pub.expect_saves([SaveSpec("r", "d0", (0, 1), CHUNK)])  # 2 ranks x (disk, S3)
     pub.from_workers([("stored", "cpu", "d0"), ("stored", "disk", "d0")])
     pub.from_workers([("stored", "disk", "d0"), ("failed", "s3", "d0")])
     assert pub.waiting_for_reports()
     pub.from_workers([("stored", "s3", "d0")])
     assert not pub.waiting_for_reports()
+    # A save of the local tiers only (the remote tier does not admit it yet): disk reports.
+    pub.expect_saves([SaveSpec("r", "d0", (0, 1), CHUNK, tiers="local")])
+    pub.from_workers([("stored", "disk", "d0")] * 2)
+    assert not pub.waiting_for_reports()
     monkeypatch.setattr(events_module, "REPORT_WAIT_SECS", 0.0)
-    pub.expect_saves(1)  # a report that never comes: the wait ends at the bound
+    pub.expect_saves([SaveSpec("r", "d0", (0, 1), CHUNK)])  # reports that never come: the
+    # wait ends at the bound
     time.sleep(0.01)
     assert not pub.waiting_for_reports()
