@@ -23,7 +23,7 @@ Servers count apart: with N = 2, a prefix seen once on each of two servers is no
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 #: Which tiers a save writes: every tier; the local ones only (the remote tier does not admit
@@ -38,9 +38,9 @@ class SightCounter:
         if capacity < 1:
             raise ValueError(f"a sight counter needs room for at least one chunk, not {capacity}")
         self.capacity = capacity
-        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
 
-    def see(self, chunk_ids: Sequence[str]) -> list[int]:
+    def see(self, chunk_ids: Sequence[Hashable]) -> list[int]:
         """Count one more sight of each of ``chunk_ids`` (one request's prompt); their counts
         now, in the same order."""
         counts = []
@@ -65,7 +65,7 @@ class Admission:
         self.after = after
         self._sights = SightCounter(window_chunks) if after > 1 else None
 
-    def see(self, chunk_ids: Sequence[str]) -> list[int]:
+    def see(self, chunk_ids: Sequence[Hashable]) -> list[int]:
         """Count a request's chunks; their counts (all ``after`` when nothing is counted)."""
         if self._sights is None:
             return [self.after] * len(chunk_ids)

@@ -66,7 +66,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         args.bench_ttft,
         args.bench_store,
     )
-    setup = Setup(shape, args.chunk_size, args.block_size, sizes, args.hosts)
+    if args.remote_admit_after < 1:
+        raise PlanError(f"--remote-admit-after {args.remote_admit_after}: pass at least 1")
+    setup = Setup(
+        shape, args.chunk_size, args.block_size, sizes, args.hosts, args.remote_admit_after
+    )
     return build(setup, workload, speeds, args.sim_requests, args.seed)
 
 
@@ -110,6 +114,13 @@ def register(subparsers: Any) -> None:
         help="S3 tier for the fleet, as max_remote_size (default off; inf: no limit)",
     )
     t.add_argument("--hosts", type=int, default=1, help="serving hosts sharing the bucket")
+    t.add_argument(
+        "--remote-admit-after",
+        type=int,
+        default=1,
+        help="a chunk goes to S3 from its N-th sight on, as remote_admit_after (default 1; "
+        "simulated only)",
+    )
     w = p.add_argument_group("workload (per serving host)")
     w.add_argument("--conversations", type=int, help="conversations open at once")
     w.add_argument("--prefix-tokens", type=int, required=True, help="a conversation's first prompt")

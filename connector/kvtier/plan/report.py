@@ -27,6 +27,9 @@ class Setup:
     #: Tier sizes in GiB: CPU and disk per rank (the config's caps), the bucket for the fleet.
     sizes_gib: Mapping[str, float]
     hosts: int = 1
+    #: The S3 tier's admission rule (``remote_admit_after``): simulated only; the analytic
+    #: estimate writes every computed chunk.
+    admit_after: int = 1
 
     @property
     def chunks_per_object(self) -> int:
@@ -124,7 +127,9 @@ def build(
     estimate = analytic.estimate(caps)
     sim: SimResult | None = None
     if sim_requests > 0 and caps:
-        sim = simulate(w, caps, setup.chunk_size, setup.block_size, sim_requests, seed)
+        sim = simulate(
+            w, caps, setup.chunk_size, setup.block_size, sim_requests, seed, setup.admit_after
+        )
     obj = shape.object_bytes(setup.chunk_size)
     diffs = []
     if sim:
@@ -150,6 +155,7 @@ def build(
             "working_set_gib": analytic.working_set() * obj * shape.tp_size / _GIB,
         },
         "hosts": setup.hosts,
+        "remote_admit_after": setup.admit_after,
         "tiers": _tier_rows(setup, analytic, estimate, sim),
         "hit_rate_analytic": estimate.hit_rate(),
         "hit_rate_simulated": sim.mix.hit_rate() if sim else None,
@@ -280,10 +286,14 @@ def _rgw_lines(plan: dict[str, Any]) -> list[str]:
     runs = next((r["chunks_per_object"] for r in rgw.values() if r is not None), 1)
     per = "per chunk" if runs == 1 else f"per {runs} chunks (at most; GET/PUT: lower bounds)"
     lines = ["", f"RGW ({plan['hosts']} host(s), one S3 object {per} and rank):"]
+    admit = plan["remote_admit_after"]
     for name, r in rgw.items():
         if r is not None:
+            rule = ""
+            if admit > 1:
+                rule = " (every chunk)" if name == "analytic" else f" (admitted on sight {admit})"
             lines.append(
-                f"  {name}: fleet {r['requests_per_s']:g} requests/s -> "
+                f"  {name}{rule}: fleet {r['requests_per_s']:g} requests/s -> "
                 f"HEAD <= {r['head_per_s']:,.1f}/s, "
                 f"GET {r['get_per_s']:,.1f}/s ({r['get_mib_s']:,.1f} MiB/s), "
                 f"PUT {r['put_per_s']:,.1f}/s ({r['put_mib_s']:,.1f} MiB/s)"

@@ -10,7 +10,9 @@ the found ones are computed and written to every tier. Policies: CPU LRU; disk L
 only by its own reads and writes (a chunk served from CPU does not refresh its disk copy); S3
 likewise, capped at the bucket's size: what kvtier's cap on the shared tier keeps
 (``max_remote_size``, kvtier.tiers.bounded: a read from S3 touches the object), to within its
-pass interval.
+pass interval. With an admission rule (``remote_admit_after``, kvtier.admission) a chunk goes to
+S3 only from its N-th sight on: computed chunks not admitted yet go to the local tiers only,
+and a chunk a local tier holds is written to S3 on the sight that admits it.
 
 Chunks are keyed by conversation and position in the synthetic stream, or by the prompts' real
 chunk hashes (`requests_from_prompts`), e.g. experiment C's stream.
@@ -26,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtier.admission import Admission
 from kvtier.keys import chunk_hashes
 from kvtier.plan.workload import TIERS, RequestMix, Workload
 
@@ -54,8 +57,17 @@ def _put(items: OrderedDict[Hashable, None], capacity: float, keys: Iterable[Has
 class TierSimulation:
     """The tiers of ``caps`` (chunks of one rank, fastest first; absent tier = off)."""
 
-    def __init__(self, caps: Mapping[str, float], chunk_size: int, block_size: int) -> None:
+    def __init__(
+        self,
+        caps: Mapping[str, float],
+        chunk_size: int,
+        block_size: int,
+        admit_after: int = 1,
+    ) -> None:
         self.chunk, self.block = chunk_size, block_size
+        # Counted without a window: the connector's (100,000 chunks by default) outlasts a
+        # simulated run's chunks that are seen again.
+        self.admission = Admission(admit_after, window_chunks=1 << 62)
         self.names = [name for name in TIERS if name in caps]
         self.caps = [caps[name] for name in self.names]
         self.items: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in self.names]
@@ -129,14 +141,35 @@ class TierSimulation:
         self.mix = kept
 
     def _serve(self, req: SimRequest) -> None:
+        sights = self.admission.see(req.keys)
         found, in_cpu = self._lookup(req.keys)
+        s3 = self._tier("s3")
+        held_locally = 0
+        while held_locally < found and any(
+            req.keys[held_locally] in items for items in self.items if items is not s3
+        ):
+            held_locally += 1
         loadable = min(found * self.chunk, req.prompt_tokens - 1) // self.block * self.block
         self._load(req.keys, loadable, in_cpu)
         computed = req.keys[found:]
         for items, cap in zip(self.items, self.caps, strict=True):
-            _put(items, cap, computed)
-        if "s3" in self.names:
-            self.mix.puts += len(computed)
+            if items is not s3:
+                _put(items, cap, computed)
+        if s3 is not None:
+            late = [
+                key
+                for key, n in zip(req.keys[:held_locally], sights, strict=False)
+                if self.admission.admits_now(n) and key not in s3
+            ]
+            admitted = list(
+                itertools.takewhile(
+                    lambda kn: self.admission.admits(kn[1]),
+                    zip(computed, sights[found:], strict=True),
+                )
+            )
+            written = late + [key for key, _ in admitted]
+            _put(s3, self.caps[self.names.index("s3")], written)
+            self.mix.puts += len(written)
         self.mix.requests += 1
         self.mix.prompt_tokens += req.prompt_tokens
         self.mix.prompt_chunks += len(req.keys)
@@ -179,9 +212,10 @@ def run(
     chunk_size: int,
     block_size: int,
     warmup: int = 0,
+    admit_after: int = 1,
 ) -> RequestMix:
     """Totals over ``requests`` after the first ``warmup`` of them (not counted)."""
-    sim = TierSimulation(caps, chunk_size, block_size)
+    sim = TierSimulation(caps, chunk_size, block_size, admit_after)
     for i, req in enumerate(requests):
         sim.request(req, counted=i >= warmup)
     return sim.mix
@@ -208,6 +242,7 @@ def simulate(
     block_size: int,
     requests: int = 10_000,
     seed: int = 0,
+    admit_after: int = 1,
 ) -> SimResult:
     """The workload through the tiers: the steady state after a warm-up, or (``w.requests``)
     runs of that many requests from empty tiers, repeated up to ``requests`` in all."""
@@ -216,7 +251,7 @@ def simulate(
         total, rates = RequestMix(0.0, 0.0, 0.0), []
         for r in range(runs):
             stream = itertools.islice(synthetic_stream(w, chunk_size, seed + r), w.requests)
-            one = run(stream, caps, chunk_size, block_size)
+            one = run(stream, caps, chunk_size, block_size, admit_after=admit_after)
             rates.append(one.hit_rate())
             total = total.added(one)
         deciles = statistics.quantiles(rates, n=10) if runs > 1 else [rates[0]] * 9
@@ -230,7 +265,7 @@ def simulate(
         )
     warmup, cut = _warmup(w, caps, chunk_size, requests)
     stream = itertools.islice(synthetic_stream(w, chunk_size, seed), warmup + requests)
-    mix = run(stream, caps, chunk_size, block_size, warmup)
+    mix = run(stream, caps, chunk_size, block_size, warmup, admit_after)
     return SimResult(mix.scaled(1 / mix.requests), requests, warmup, 1, cut)
 
 
