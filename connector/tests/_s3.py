@@ -4,9 +4,12 @@ read back from it. Every test writes under its own random prefix, emptied afterw
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,3 +92,36 @@ def objects(cfg: KvtierConfig) -> dict[str, int]:
     ):
         out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
     return out
+
+
+def radosgw_admin(*args: str) -> Any:
+    """`radosgw-admin` of the test cluster (its JSON answer, if any)."""
+    done = subprocess.run(
+        ["radosgw-admin", *args], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(done.stdout) if done.stdout.strip() else None
+
+
+@contextmanager
+def bucket_quota_with_room(bucket: str, room: int) -> Iterator[None]:
+    """The bucket's RGW quota (the rgw_bucket role's backstop) set ``room`` bytes above what it
+    holds now; the quota it had is put back after."""
+    stats = radosgw_admin("bucket", "stats", "--bucket", bucket)
+    kept = stats["bucket_quota"]
+    used = sum(int(u.get("size", 0)) for u in stats.get("usage", {}).values())
+    radosgw_admin(
+        "quota", "set", "--quota-scope=bucket", "--bucket", bucket,
+        "--max-size", str(used + room), "--max-objects", "-1",
+    )  # fmt: skip
+    radosgw_admin("quota", "enable", "--quota-scope=bucket", "--bucket", bucket)
+    try:
+        yield
+    finally:
+        radosgw_admin(
+            "quota", "set", "--quota-scope=bucket", "--bucket", bucket,
+            "--max-size", str(kept["max_size"]), "--max-objects", str(kept["max_objects"]),
+        )  # fmt: skip
+        radosgw_admin(
+            "quota", "enable" if kept["enabled"] else "disable", "--quota-scope=bucket",
+            "--bucket", bucket,
+        )  # fmt: skip

@@ -6,17 +6,14 @@ Uses the ``s3`` fixture (connector/tests/_s3.py: a fresh prefix, emptied afterwa
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from _helpers import FINGERPRINT, chunks
-from _s3 import S3Env, objects
+from _s3 import S3Env, bucket_quota_with_room, objects
 
 from kvtier.cli import main as cli_main
 from kvtier.config import load_config
@@ -146,13 +143,6 @@ def test_a_write_over_the_cap_is_skipped_and_counted_never_raised(
     assert errors.get("over_cap", 0) > 0
 
 
-def _radosgw_admin(*args: str) -> Any:
-    done = subprocess.run(
-        ["radosgw-admin", *args], capture_output=True, text=True, timeout=120, check=True
-    )
-    return json.loads(done.stdout) if done.stdout.strip() else None
-
-
 @pytest.mark.skipif(
     bool(os.environ.get("KVTIER_TEST_S3_CONFIG")), reason="needs radosgw-admin of the test RGW"
 )
@@ -163,15 +153,7 @@ def test_writes_refused_by_the_bucket_quota_are_counted_and_reads_go_on(
     runs into it; every refused write is counted (QuotaExceeded), none raises, and the circuit
     breaker stays closed, so what the bucket holds is still read."""
     env, prefix = s3
-    bucket = _radosgw_admin("bucket", "stats", "--bucket", env.bucket)
-    kept = bucket["bucket_quota"]
-    used = sum(int(u.get("size", 0)) for u in bucket.get("usage", {}).values())
-    _radosgw_admin(
-        "quota", "set", "--quota-scope=bucket", "--bucket", env.bucket,
-        "--max-size", str(used + 2 * MIB), "--max-objects", "-1",
-    )  # fmt: skip
-    _radosgw_admin("quota", "enable", "--quota-scope=bucket", "--bucket", env.bucket)
-    try:
+    with bucket_quota_with_room(env.bucket, 2 * MIB):
         data = chunks(32, size=PAYLOAD, seed=5)  # 8 MiB against 2 MiB of room
         with TieredStore.from_config(load_config(env.write_config(prefix)), FINGERPRINT) as store:
             for h, p in data:
@@ -182,12 +164,3 @@ def test_writes_refused_by_the_bucket_quota_are_counted_and_reads_go_on(
             assert st.errors.get("QuotaExceeded", 0) > 0, st.errors
             assert st.circuit_open == 0
             assert 0 < len(stored) < len(data)
-    finally:
-        _radosgw_admin(
-            "quota", "set", "--quota-scope=bucket", "--bucket", env.bucket,
-            "--max-size", str(kept["max_size"]), "--max-objects", str(kept["max_objects"]),
-        )  # fmt: skip
-        _radosgw_admin(
-            "quota", "enable" if kept["enabled"] else "disable", "--quota-scope=bucket",
-            "--bucket", env.bucket,
-        )  # fmt: skip

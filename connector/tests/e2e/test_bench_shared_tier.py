@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from _e2e import S3Target, Servers, prompt
+from _s3 import bucket_quota_with_room
 
 from kvtier.bench.load import REQUEST_ERRORS, run_requests, warm_up
 from kvtier.bench.presets import FULL, MixedLoad
@@ -287,3 +288,39 @@ def test_two_servers_keep_the_cap_and_one_killed_stops_nothing(
     assert failed == 0
     assert max(fills) <= cap + 2 * slack + 16 * CHUNK_BYTES
     assert end <= cap
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get("KVTIER_TEST_S3_CONFIG")), reason="needs radosgw-admin of the test RGW"
+)
+def test_the_bucket_quota_stops_a_writer_without_a_cap_and_requests_succeed(
+    servers: Servers, s3_target: S3Target
+) -> None:
+    """The backstop behind the cap: a server with no cap (nothing evicts) writes fresh 4 MiB
+    prompts into a bucket whose RGW quota leaves 10 MiB of room. RGW refuses the writes past
+    it (QuotaExceeded, counted); every request is answered; the breaker stays closed, so what
+    the bucket took is still read (after a restart, from S3, with the cold run's tokens)."""
+    s3_target.clear()
+    server = servers.make("quota", s3_target.kvtier(), env=s3_target.env)
+    docs = [prompt(16 * CHUNK + 1, seed=7800 + i) for i in range(6)]
+    with bucket_quota_with_room(s3_target.bucket, 10 * (1 << 20)):
+        cold = [server.complete(doc, max_tokens=4) for doc in docs]
+        time.sleep(3)
+        server.complete([1, 2, 3], max_tokens=1)  # a step: the writes' counters reach /metrics
+        metrics = server.metrics()
+        refused = metric_sum(metrics, "kvtier:tier_errors_total", tier="s3", cause="QuotaExceeded")
+        breaker = metric_sum(metrics, "kvtier:tier_circuit_open", tier="s3")
+        server.stop()
+        server.start()
+        warm = server.complete(docs[0], max_tokens=4)
+        s3_hits = metric_sum(server.metrics(), "kvtier:tier_hits_total", tier="s3")
+    server.stop()
+    stored = sum(int(v) for v in s3_target.objects().values())
+    print(
+        f"\nquota with 10 MiB of room, 6 prompts of 4 MiB, no cap: {refused:.0f} object writes "
+        f"refused (QuotaExceeded), {stored / (1 << 20):.1f} MiB stored, breaker open "
+        f"{breaker:.0f}; after a restart the first prompt: {s3_hits:.0f} chunks from S3"
+    )
+    assert all(len(c.token_ids) == 4 for c in cold)
+    assert refused > 0 and breaker == 0
+    assert s3_hits == 16 and warm.token_ids == cold[0].token_ids
