@@ -12,6 +12,8 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -152,6 +154,43 @@ def supervisorctl(*args: str) -> str:
         check=False,
     )
     return done.stdout
+
+
+def program_states(names: Sequence[str]) -> dict[str, str]:
+    """Each program's state as supervisord reports it (RUNNING, STOPPED, ...)."""
+    states = {}
+    for line in supervisorctl("status", *names).splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            states[parts[0]] = parts[1]
+    return states
+
+
+def set_programs(state: str, names: Sequence[str]) -> None:
+    """``supervisorctl stop|start`` the programs, then check that each is in that state
+    (``supervisorctl`` itself says little when a name is wrong): a fault test must fail when
+    its fault did not happen."""
+    out = supervisorctl("stop" if state == "STOPPED" else "start", *names)
+    states = program_states(names)
+    assert names and all(states.get(n) == state for n in names), (
+        f"supervisorctl could not set {list(names)} to {state}: {out.strip()!r}, now {states}"
+    )
+
+
+def endpoint_answer(url: str, timeout: float = 2.0) -> str:
+    """What an HTTP endpoint answers a plain GET: its status code, "refused" or "timeout"."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return str(resp.status)
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, ConnectionRefusedError):
+            return "refused"
+        if isinstance(reason, TimeoutError):
+            return "timeout"
+        return f"error: {reason}"
 
 
 def site_programs(prefix: str) -> list[str]:
