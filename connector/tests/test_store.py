@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,15 +170,44 @@ def test_stats_merge_pickle_and_file(tmp_path: Path) -> None:
     assert len(files) == 1 and next(iter(files.values())) == a
 
 
+class _HeldDisk(DiskTier):
+    """A disk tier whose writes wait until the test lets them go (a slow medium)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, 256 << 20)
+        self.go = threading.Event()
+        self.writing = 0
+        self.most_at_once = 0
+        self._count = threading.Lock()
+
+    def put(self, key: str, header: bytes, payload: bytes) -> None:
+        with self._count:
+            self.writing += 1
+            self.most_at_once = max(self.most_at_once, self.writing)
+        self.go.wait(10)
+        try:
+            super().put(key, header, payload)
+        finally:
+            with self._count:
+                self.writing -= 1
+
+
 def test_background_writes_are_bounded(tmp_path: Path) -> None:
+    """While the disk tier is stuck, at most ``max_inflight_writes`` writes wait for it: the
+    others are dropped at once (counted as backpressure), never queued; the CPU tier keeps
+    every chunk, and once the disk moves the waiting writes land."""
     data = chunks(50, size=4096)
-    with _store(tmp_path, max_inflight_writes=1, io_threads=1) as store:
+    disk = _HeldDisk(str(tmp_path / "disk"))
+    with TieredStore([CpuTier(64 << 20), disk], FINGERPRINT, max_inflight_writes=2) as store:
         for h, p in data:
-            store.put(h, p, 256)
+            store.put(h, p, 256)  # returns at once: nothing waits for the stuck disk
+        st = store.stats()
+        assert st.dropped_writes == 48 and st.tiers["disk"].errors == {"backpressure": 48}
+        assert st.tiers["cpu"].puts == 50
+        disk.go.set()
         assert store.flush(10)
         st = store.stats()
-    assert st.dropped_writes + st.tiers["disk"].puts == 50
-    assert st.tiers["disk"].errors.get("backpressure", 0) == st.dropped_writes
+    assert st.tiers["disk"].puts == 2 and disk.most_at_once <= 2
 
 
 @pytest.mark.parametrize("n", [0, 1, 40, 70])

@@ -33,7 +33,6 @@ def test_cpu_tier_only_hits_with_scheduler_and_worker_in_separate_processes(
     assert c.delta("kvtier:loaded_tokens_total") >= 0.9 * len(CPU_PROMPT)
     assert c.delta("vllm:prompt_tokens_cached_by_source_total", source="host") > 0
     assert_same_tokens(warm, cold, c)
-    assert warm.ttft < cold.ttft
     server.stop()
 
 

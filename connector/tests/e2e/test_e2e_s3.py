@@ -73,7 +73,6 @@ def test_after_restart_s3_hits_and_same_tokens(run: dict[str, Any], s3_target: S
     assert c.delta("kvtier:load_failed_tokens_total") == 0
     assert_same_tokens(warm, cold, c)
     assert len(warm.token_ids) == OUTPUT_TOKENS
-    assert warm.ttft < 0.5 * cold.ttft, (warm.ttft, cold.ttft)
 
 
 def test_prompt_over_batch_budget_hits_after_restart(run: dict[str, Any]) -> None:
