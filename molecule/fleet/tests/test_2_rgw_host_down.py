@@ -1,6 +1,8 @@
 """An RGW host goes down in the middle of request streams against both serving hosts, requests
 that only Ceph can answer (each document is prefilled on one host, then asked of the other):
-no request fails, and the hits keep coming, now all through storage1."""
+no request fails, and the hits keep coming, now all through storage1: chunks read from S3 and
+verified after the stop (storage2's radosgw checked stopped; a hit whose load failed is
+recomputed, and would pass a test that counts planned hits only)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from _fleet import (
     Stream,
     chunks_in_bucket,
     chunks_of,
+    host,
     prompt,
     server,
     supervisorctl,
@@ -36,8 +39,16 @@ def _cross(a: Server, b: Server, seed: int) -> Completion:
     return b.complete(doc, namespace=NAMESPACE)
 
 
-def _s3_hits(servers: list[Server]) -> float:
-    return sum(s.metric("kvtier:hit_tokens_by_tier_total", tier="s3") for s in servers)
+def _counts(servers: list[Server]) -> tuple[float, float]:
+    """(chunks read from S3 and verified, prompt tokens whose load failed), both hosts."""
+    read = sum(s.metric("kvtier:tier_hits_total", tier="s3") for s in servers)
+    failed = sum(s.metric("kvtier:load_failed_tokens_total") for s in servers)
+    return read, failed
+
+
+def _state(name: str, program: str) -> str:
+    conf = f"/etc/supervisor/kvtier-{name}/supervisord.conf"
+    return str(host(name).run(f"supervisorctl -c {conf} status {program}").stdout)
 
 
 def test_stopping_every_radosgw_of_storage2_fails_no_request() -> None:
@@ -49,21 +60,27 @@ def test_stopping_every_radosgw_of_storage2_fails_no_request() -> None:
             time.sleep(8)  # both streams are under way
             supervisorctl("storage2", "stop", "rgw-kvtier-storage2-1")
             stopped_at = time.monotonic()
-            hits_at_stop = _s3_hits(servers)
+            state = _state("storage2", "rgw-kvtier-storage2-1")
+            read_at_stop, failed_at_stop = _counts(servers)
             one.join()
             two.join()
         time.sleep(1.5)  # vLLM publishes counters with its stats interval
-        hits_after = _s3_hits(servers) - hits_at_stop
+        read, failed = _counts(servers)
+        read_after, failed_after = read - read_at_stop, failed - failed_at_stop
     finally:
         supervisorctl("storage2", "start", "rgw-kvtier-storage2-1")
     done = len(one.completions) + len(two.completions)
     print(
         f"storage2 down {time.monotonic() - stopped_at:.0f} s into the streams' end: "
         f"{done} requests, {len(one.failures) + len(two.failures)} failed, "
-        f"{hits_after:.0f} prompt tokens loaded from S3 after the stop"
+        f"{read_after:.0f} chunks read from S3 after the stop, {failed_after:.0f} tokens whose "
+        f"load failed"
     )
+    assert "STOPPED" in state, state
     assert one.failures == [] and two.failures == []
     assert done == 24
-    # At least a few documents were asked for after the stop, each loaded from S3 (through
-    # storage1, the only RGW host left).
-    assert hits_after >= 2 * (DOC_TOKENS - CHUNK), hits_after
+    # At least two documents were asked for after the stop, each read from S3 (through
+    # storage1, the only RGW host left). A load in flight on storage2 at the stop may fail and
+    # be recomputed (one per stream at most); none after.
+    assert read_after >= 2 * (DOC_TOKENS // CHUNK - 1), read_after
+    assert failed_after <= 2 * DOC_TOKENS, failed_after
