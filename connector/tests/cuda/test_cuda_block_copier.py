@@ -375,9 +375,9 @@ def test_gather_many_with_no_slot_drops_the_rest_of_that_group_only() -> None:
     again[0].release()
     # No groups: the call's chunks are one group, the first without a slot ends it.
     bufs[1].release()
-    one = copier.gather_many_to_host([[1], [2], [3]], 0.05)
-    assert [b is not None for b in one] == [True, False, False]
-    for buf in [one[0], bufs[2]]:
+    one = copier.gather_many_to_host([[1], [2], [3], [4]], 0.05)
+    assert [b is not None for b in one] == [True, True, False, False]
+    for buf in [one[0], one[1], bufs[2]]:
         buf.release()
     assert copier.gather_many_to_host([], 0.05) == []
     assert len(copier._cuda.save_pool._free) == 3
