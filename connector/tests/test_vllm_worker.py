@@ -57,11 +57,13 @@ class Copier:
         self.fences = 0
         self.hold = False  # save buffers' copies land only when a test sets them
         self.copies_in_background = True  # as on CUDA
+        self.slot_requests = 0
 
     def gather(self, block_ids: Sequence[int]) -> bytes:
         return PAYLOAD
 
     def gather_to_host(self, block_ids: Sequence[int], wait_secs: float | None = None) -> Lent:
+        self.slot_requests += 1
         with self.cond:
             if not self.cond.wait_for(lambda: self.lent < self.slots, wait_secs):
                 raise SlotsBusy("no slot")
@@ -162,9 +164,8 @@ def test_background_loads_end_later_and_are_reported_once() -> None:
     copier, store = Copier(), Store({"c0": PAYLOAD, "c1": PAYLOAD})
     worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
     store.release.clear()  # S3 is slow
-    started = time.monotonic()
     worker.load([_spec("r", 0, True), _spec("r", 1, True)])
-    assert time.monotonic() - started < 0.5  # the step goes on
+    # Back in the step while the store still holds the read: nothing written, nothing done.
     assert worker.take_finished() == set() and copier.written == []
     store.release.set()
     assert _finished(worker) == {"r"}
@@ -242,12 +243,10 @@ def test_a_save_returns_before_its_copies_land_and_lends_its_buffers_until_writt
     copier, store = Copier(), Store({})
     worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
     copier.hold = True  # the device -> host copies are still in flight
-    started = time.monotonic()
-    worker.save([_save("r", 0), _save("r", 1)])
+    worker.save([_save("r", 0), _save("r", 1)])  # back while no copy has landed
     bufs = copier.bufs[-2:]
-    assert time.monotonic() - started < 0.5
-    time.sleep(0.1)
-    assert not getattr(store, "put", [])  # the save thread waits for the copies, not vLLM
+    # The save thread waits for the copies (a slot's view waits for its copy), not vLLM.
+    assert not getattr(store, "put", []) and not any(b.landed.is_set() for b in bufs)
     for buf in bufs:
         buf.landed.set()
     assert _until(lambda: len(getattr(store, "put", [])) == 2)
@@ -263,9 +262,9 @@ def test_a_save_returns_before_its_copies_land_and_lends_its_buffers_until_writt
 def test_with_no_save_buffer_free_the_step_drops_the_rest_of_the_request_and_counts() -> None:
     copier, store = Copier(slots=2), Store({})
     worker = WorkerSide(store, copier, timeout_secs=5, save_wait_secs=0.05)  # type: ignore[arg-type]
-    started = time.monotonic()
     worker.save([_save("a", 0), _save("a", 1), _save("a", 2), _save("a", 3)])
-    assert time.monotonic() - started < 0.5  # one bounded wait, then given up
+    # Two slots, then one bounded wait for a third that fails; the last chunk is not tried.
+    assert copier.slot_requests == 3
     assert _until(lambda: len(getattr(store, "put", [])) == 2)
     assert [h for h, _ in store.put] == ["s0", "s1"]
     assert worker.take_stats()["save_dropped_chunks"] == 2
