@@ -31,6 +31,11 @@ from typing import Literal
 SaveTiers = Literal["all", "local", "remote"]
 
 
+def writes_to(tiers: SaveTiers, remote: bool) -> bool:
+    """Whether a save of ``tiers`` writes a tier that is (``remote``) or is not the remote one."""
+    return tiers == "all" or (tiers == "remote") == remote
+
+
 class SightCounter:
     """How many requests contained each chunk, for the ``capacity`` most recently seen chunks."""
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar, cast
 
-from kvtier.admission import SaveTiers
+from kvtier.admission import SaveTiers, writes_to
 from kvtier.config import KvtierConfig
 from kvtier.format import (
     FormatError,
@@ -431,7 +431,7 @@ class TieredStore:
             self._stats.put_bytes += sum(len(item[1]) for _, item in items)
         latch = _Latch(on_done)
         for tier in self.tiers:
-            if (tiers == "local" and tier.remote) or (tiers == "remote" and not tier.remote):
+            if not writes_to(tiers, tier.remote):
                 continue
             if tier.remote:
                 self._write_async(tier, items, latch)

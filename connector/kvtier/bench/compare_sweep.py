@@ -13,11 +13,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.load import csv_rows, run_requests, warm_up
+from kvtier.bench.load import Record, Request, csv_rows, run_requests, warm_up
 from kvtier.bench.presets import MixedLoad, Sizes
 from kvtier.bench.rounds import SCENARIO_ERRORS, measure
 from kvtier.bench.servers import ServerFactory, cpu_tier
 from kvtier.format import HEADER_SIZE
+from kvtier.vllm.server import VllmServer
 
 SWEEP_SHARES = (1.0, 0.5, 0.25, 0.1)
 CHUNK_TOKENS = 256  # kvtier's default chunk_size: the unit the working set is counted in
@@ -49,6 +50,23 @@ def kv_bytes_per_token(model: str) -> int | None:
         return None
     dtype_bytes = 4 if cfg.get("torch_dtype") == "float32" else 2
     return int(2 * layers * kv_heads * head_dim * dtype_bytes)
+
+
+def measure_c_round(
+    server: VllmServer, requests: Sequence[Request], sizes: Sizes, label: str
+) -> tuple[dict[str, Any], list[Record]]:
+    """Send ``requests`` (C's stream) as preset C does (its answer length, its requests in
+    flight): the round's summary with the server's cache counters, and the records."""
+    run = functools.partial(
+        run_requests,
+        server.complete,
+        requests,
+        output_len=sizes.c_output,
+        inflight=sizes.c_inflight,
+        label=label,
+        total=len(requests),
+    )
+    return measure(server, run, keep_ttfts=False)
 
 
 def run_sweep(
@@ -87,16 +105,7 @@ def run_sweep(
         try:
             with factory(name, kv, "--no-enable-prefix-caching") as server:
                 warm_up(server.complete)
-                run = functools.partial(
-                    run_requests,
-                    server.complete,
-                    requests,
-                    output_len=sizes.c_output,
-                    inflight=sizes.c_inflight,
-                    label=name,
-                    total=len(requests),
-                )
-                summary, records = measure(server, run, keep_ttfts=False)
+                summary, records = measure_c_round(server, requests, sizes, name)
                 row |= summary
                 rows += csv_rows(records, scenario=name, preset="C-sweep")
         except SCENARIO_ERRORS as exc:

@@ -39,6 +39,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents
 
+from kvtier.admission import writes_to
 from kvtier.keys import ChunkKey
 from kvtier.vllm.plan import SaveSpec
 
@@ -168,8 +169,9 @@ class EventPublisher:
     def expect_saves(self, saves: Iterable[SaveSpec]) -> None:
         """These saves were planned: their background writes (of the tiers each names, see
         `SaveSpec.tiers`) will report."""
-        tiers = {"all": {"disk", "s3"}, "local": {"disk"}, "remote": {"s3"}}
-        writes = sum(len(tiers[s.tiers] & self.background_tiers) for s in saves)
+        writes = sum(
+            writes_to(s.tiers, remote=tier == "s3") for s in saves for tier in self.background_tiers
+        )
         self._expected += writes * self.ranks
         self._last_planned = time.monotonic()
 

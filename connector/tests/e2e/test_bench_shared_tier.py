@@ -31,9 +31,9 @@ import pytest
 from _e2e import S3Target, Servers, prompt
 from _s3 import bucket_quota_with_room
 
-from kvtier.bench.load import REQUEST_ERRORS, run_requests, warm_up
+from kvtier.bench.compare_sweep import measure_c_round
+from kvtier.bench.load import REQUEST_ERRORS, warm_up
 from kvtier.bench.presets import FULL, MixedLoad
-from kvtier.bench.rounds import measure
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
 from kvtier.plan.simulate import requests_from_prompts, run
@@ -97,18 +97,7 @@ def _one_run(
     warm_up(server.complete)
     before = server.metrics()
     sampler = FillSampler(s3)
-    summary, _ = measure(
-        server,
-        lambda: run_requests(
-            server.complete,
-            requests,
-            output_len=FULL.c_output,
-            inflight=FULL.c_inflight,
-            label=label,
-            total=len(requests),
-        ),
-        keep_ttfts=False,
-    )
+    summary, _ = measure_c_round(server, requests, FULL, label)
     time.sleep(3)  # the background writes land; a step then reports their counters
     server.complete([1, 2, 3], max_tokens=1)
     after = server.metrics()
