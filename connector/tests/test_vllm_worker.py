@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.stats import StoreStats
 from kvtier.store import ChunkRef
-from kvtier.vllm.copier import HostBuffer, SlotsBusy
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.plan import LoadSpec, SaveSpec
 from kvtier.vllm.worker import WorkerSide

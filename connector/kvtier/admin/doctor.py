@@ -101,7 +101,7 @@ class Doctor:
             return
         if not self.check_endpoint(cfg, client.meta.endpoint_url):
             return
-        profile = self.check_credentials(cfg, client)
+        profile = self.check_credentials(cfg)
         if profile is None or not self.check_bucket(cfg, client, profile):
             return
         self.probe(cfg)
@@ -138,9 +138,11 @@ class Doctor:
             )
         return self.add("endpoint", True, f"{endpoint} reachable")
 
-    def check_credentials(self, cfg: KvtierConfig, client: Any) -> str | None:
-        """The profile name when the client has an access key, else None."""
-        creds = client._request_signer._credentials
+    def check_credentials(self, cfg: KvtierConfig) -> str | None:
+        """The profile name when the profile resolves to an access key, else None."""
+        from kvtier.tiers.s3_boto3 import frozen_credentials
+
+        creds = frozen_credentials(cfg)
         if creds is None:
             self.add(
                 "credentials",

@@ -85,6 +85,14 @@ def make_boto3_client(cfg: KvtierConfig, pool: int = 32, *, head: bool = False) 
     return _client(_session(cfg), cfg, pool, head=head)
 
 
+def frozen_credentials(cfg: KvtierConfig) -> Any | None:
+    """The access key, secret and token the profile of ``cfg`` resolves to (boto3's own chain:
+    profile, environment, files), or None when it has none; raises ConfigError for a profile
+    that does not exist. The awscrt client signs with these; ``kvtier doctor`` shows the key."""
+    creds = _session(cfg).get_credentials()
+    return None if creds is None else creds.get_frozen_credentials()
+
+
 def error_cause(exc: BaseException) -> str:
     """A short counter label for an S3 client failure."""
     from botocore.exceptions import (
@@ -139,6 +147,10 @@ class Boto3S3Tier(Tier):
         clients = [_client(session, cfg, pool, head=head) for head in (False, True)]
         return cls(clients[0], cfg.s3_bucket, cfg.s3_prefix, pool, head_client=clients[1])
 
+    @property
+    def endpoint_url(self) -> str:
+        return str(self._client.meta.endpoint_url)
+
     def object_key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
@@ -171,16 +183,17 @@ class Boto3S3Tier(Tier):
     def contains(self, key: str) -> bool:
         return self.head(key) is not None
 
-    def _pool_map(self, fn: Callable[[str], T], keys: Sequence[str]) -> list[T]:
+    def map_keys(self, fn: Callable[[str], T], keys: Sequence[str]) -> list[T]:
+        """``fn`` of each key, in parallel on this tier's thread pool, in order."""
         if len(keys) <= 1:
             return [fn(k) for k in keys]
         return list(self._pool.map(fn, keys))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return self._pool_map(self.contains, keys)
+        return self.map_keys(self.contains, keys)
 
     def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
-        return self._pool_map(self.head, keys)
+        return self.map_keys(self.head, keys)
 
     def get(self, key: str) -> Stored | None:
         okey = self.object_key(key)

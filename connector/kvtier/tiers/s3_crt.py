@@ -25,7 +25,7 @@ from urllib.parse import quote, urlparse
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.format import CHUNK_LIST_META, HEADER_SIZE, decode_chunk_list
 from kvtier.tiers.base import ChunkReader, Stored, Tier, TierError
-from kvtier.tiers.s3_boto3 import Boto3S3Tier
+from kvtier.tiers.s3_boto3 import Boto3S3Tier, frozen_credentials
 
 
 def _s3_error_code(exc: BaseException) -> str | None:
@@ -159,18 +159,16 @@ class CrtS3Tier(Tier):
     @classmethod
     def from_config(cls, cfg: KvtierConfig, reads_via_boto3: bool = False) -> CrtS3Tier:
         """``reads_via_boto3``: GET and HEAD through boto3, PUT through awscrt (``auto``)."""
-        admin = Boto3S3Tier.from_config(cfg)
-        client = admin._client
-        creds = client._request_signer._credentials
-        if creds is None:
+        frozen = frozen_credentials(cfg)
+        if frozen is None:
             raise ConfigError(
                 f"no S3 credentials for the S3 tier in {cfg.source}: set key 'aws_profile' to a "
                 "profile with aws_access_key_id/aws_secret_access_key"
             )
-        frozen = creds.get_frozen_credentials()
+        admin = Boto3S3Tier.from_config(cfg)
         return cls(
             admin,
-            client.meta.endpoint_url,
+            admin.endpoint_url,
             cfg.extra_config.s3_region,
             (frozen.access_key, frozen.secret_key, frozen.token),
             cfg.blocking_timeout_secs,
@@ -271,10 +269,10 @@ class CrtS3Tier(Tier):
         return self.head(key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return self._admin._pool_map(self.contains, keys)
+        return self._admin.map_keys(self.contains, keys)
 
     def heads(self, keys: Sequence[str]) -> list[list[str] | None]:
-        return self._admin._pool_map(self.head, keys)
+        return self._admin.map_keys(self.head, keys)
 
     def get(self, key: str) -> Stored | None:
         if self._reads_via_boto3:

@@ -34,7 +34,7 @@ from kvtier.format import HEADER_SIZE, chunks_per_object
 from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
-from kvtier.vllm.copier import BlockCopier
+from kvtier.vllm.blockcopy.copier import BlockCopier
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports, events_enabled
 from kvtier.vllm.identity import RequestIdentity, Uncacheable
 from kvtier.vllm.layout import (

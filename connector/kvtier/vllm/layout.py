@@ -25,7 +25,7 @@ whole model by the engine core from every backend's ``supported_kv_cache_layouts
   layout's within-block order: ``HND`` (``LBHNC``, ``LHBNC``, ``BLHNC``, ``BHLNC``) or ``NHD``
   (``LBNHC``, ``BLNHC``); where layers and blocks sit around it (layer-major, block-major,
   heads split across blocks) does not change those bytes. The payload keeps the page in that
-  order, so the variant is ``HND`` or ``NHD``. The copies (kvtier.vllm.cuda_copy) read the
+  order, so the variant is ``HND`` or ``NHD``. The copies (kvtier.vllm.blockcopy.cuda) read the
   strides of the tensors vLLM registers; they are tested on an H200 with torch against views
   built as vLLM 0.32 builds them (connector/tests/cuda), but vLLM's CUDA build itself has not
   run with this connector (no machine here has it): `expected_layout`'s CUDA branch is

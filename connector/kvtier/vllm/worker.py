@@ -39,7 +39,8 @@ from typing import Any, Protocol
 from kvtier.admission import SaveTiers
 from kvtier.stats import SAMPLES, StoreStats, store_deltas, without_fill
 from kvtier.store import ChunkRef
-from kvtier.vllm.copier import BlockCopier, HostBuffer, SlotsBusy
+from kvtier.vllm.blockcopy.copier import BlockCopier
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.plan import LoadSpec, SaveSpec
 

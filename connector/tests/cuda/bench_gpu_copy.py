@@ -128,7 +128,7 @@ def bench_copies(
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
     from kvtier.vllm.layout import check_tensors
 
     layers, heads, head = SHAPES[shape]
@@ -307,7 +307,7 @@ def bench_overlap(
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
 
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)
@@ -410,7 +410,7 @@ def bench_profile(shape: str, chunk: int, cache_layout: str, reps: int) -> dict[
     import torch
     import vllm032_kv as vk
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
 
     layers, heads, head = SHAPES[shape]
     layout = _layout(cache_layout, layers, heads, head)

@@ -168,7 +168,7 @@ class _BeforeCopier:
 def stream_order(iters: int, sleep_cycles: int) -> dict[str, Any]:
     import torch
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
     from kvtier.vllm.plan import LoadSpec
     from kvtier.vllm.worker import WorkerSide
 
@@ -257,7 +257,7 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
     beside the next forward)."""
     import torch
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
     from kvtier.vllm.plan import SaveSpec
     from kvtier.vllm.worker import WorkerSide
 
@@ -345,7 +345,7 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
 def loads(reps: int) -> dict[str, Any]:
     import torch
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
 
     out: dict[str, Any] = {}
     chunks = STEP_TOKENS // CHUNK
@@ -372,7 +372,7 @@ def loads(reps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         took = statistics.median(times[1:])
         plain = _plain(nbytes, chunks, to_host=False)
-        from kvtier.vllm.cuda_copy import _parallel_copy
+        from kvtier.vllm.blockcopy.cuda import _parallel_copy
 
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         src = torch.frombuffer(bytearray(payloads[0]), dtype=torch.uint8)
@@ -399,7 +399,7 @@ def loads(reps: int) -> dict[str, Any]:
 def lone(reps: int) -> dict[str, Any]:
     import torch
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
 
     layout, kv = _caches("7B", 1024)
     blocks = CHUNK // BLOCK
@@ -440,7 +440,7 @@ def lone(reps: int) -> dict[str, Any]:
 def fp8() -> dict[str, Any]:
     import torch
 
-    from kvtier.vllm.copier import BlockCopier
+    from kvtier.vllm.blockcopy.copier import BlockCopier
 
     layout, src = _caches("7B", 256, torch.uint8)
     _, dst = _caches("7B", 256, torch.uint8)

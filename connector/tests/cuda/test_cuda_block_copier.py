@@ -1,4 +1,4 @@
-"""The connector's CUDA data path (kvtier.vllm.cuda_copy) on KV caches laid out exactly as
+"""The connector's CUDA data path (kvtier.vllm.blockcopy.cuda) on KV caches laid out exactly as
 vLLM 0.32 allocates them and registers them with connectors: one int8 buffer, per-layer
 logical ``[blocks, kv_heads, block_size, 2 * head_size]`` bf16 views whose strides follow the
 resolved KVCacheLayout. vLLM is not on the GPU machine, so the views come from the vendored
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import vllm032_kv as vk  # noqa: E402
 
-from kvtier.vllm import pinned  # noqa: E402
-from kvtier.vllm.copier import BlockCopier  # noqa: E402
+from kvtier.vllm.blockcopy import pinned  # noqa: E402
+from kvtier.vllm.blockcopy.copier import BlockCopier  # noqa: E402
 from kvtier.vllm.layout import (  # noqa: E402
     KVLayout,
     LayoutError,

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import vllm032_kv as vk  # noqa: E402
 
 from kvtier.vllm import layout as kvl  # noqa: E402
-from kvtier.vllm.copier import BlockCopier  # noqa: E402
+from kvtier.vllm.blockcopy.copier import BlockCopier  # noqa: E402
 
 ALL = [(b, lay) for b in vk.BACKEND_LAYOUTS for lay in vk.backend_layouts(b)]
 SHAPES = {"gqa": (3, 4, 16, 64), "one_head": (2, 1, 16, 32)}  # layers, kv heads, block, head

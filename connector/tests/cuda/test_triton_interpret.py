@@ -21,7 +21,7 @@ SCRIPT = r"""
 import sys
 import torch
 import vllm032_kv as vk
-from kvtier.vllm import _triton_copy as tc
+from kvtier.vllm.blockcopy import _triton as tc
 from kvtier.vllm import layout as kvl
 
 

@@ -1,5 +1,5 @@
 """Pinned host memory for the CUDA copier: a pool of chunk-sized page-locked buffers, allocated
-once and lent out as HostBuffers (kvtier.vllm.cuda_copy; imported only on CUDA)."""
+once and lent out as HostBuffers (kvtier.vllm.blockcopy.cuda; imported only on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvtier.vllm.copier import HostBuffer, SlotsBusy
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 The payload of a chunk is ``[layer][block][raw block bytes]`` in the byte order the layout
 (kvtier.vllm.layout) names, so a prefix of a chunk's blocks can be read without the rest. On the
 CPU build a copy is one ``index_select`` / ``index_copy_`` per layer; CUDA tensors are handed to
-kvtier.vllm.cuda_copy (imported only then: the CPU build never imports CUDA code).
+kvtier.vllm.blockcopy.cuda (imported only then: the CPU build never imports CUDA code).
 """
 
 from __future__ import annotations
@@ -11,60 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload
 from kvtier.vllm.layout import KVLayout, LayoutError
-
-
-class SlotsBusy(LayoutError):
-    """No pinned buffer came free within the time the caller would wait (a save is then
-    dropped and counted: backpressure)."""
-
-
-class HostBuffer:
-    """A chunk payload in host memory, lent by a BlockCopier.
-
-    `view()` is the payload (a writable memoryview of exactly `nbytes`); `release()` (or leaving
-    a ``with`` block) gives the memory back, after which the view must not be used. On CUDA
-    this is a slot of the copier's pinned buffer pool: `view()` first waits for a device copy
-    still writing into it, and a released slot is reused only once the device is done with it.
-    On CPU it is plain memory and release does nothing.
-    """
-
-    def __init__(self, data: memoryview, on_release: Callable[[], None] | None = None) -> None:
-        self._data = data
-        self._on_release = on_release
-        self._released = False
-
-    @property
-    def nbytes(self) -> int:
-        return self._data.nbytes
-
-    def __len__(self) -> int:
-        return self._data.nbytes
-
-    def wait(self) -> None:
-        """Block until no device copy is still writing into the buffer."""
-
-    def view(self) -> memoryview:
-        if self._released:
-            raise LayoutError("HostBuffer used after release()")
-        self.wait()
-        return self._data
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        if self._on_release is not None:
-            self._on_release()
-
-    def __enter__(self) -> HostBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-Payload = bytes | memoryview | HostBuffer
 
 
 class BlockCopier:
@@ -73,7 +21,7 @@ class BlockCopier:
     Payload order: layer-major, then block (``[layer][block][raw block bytes]``), so a prefix
     of a chunk's blocks can be read without touching the rest.
 
-    CUDA tensors are handed to kvtier.vllm.cuda_copy (imported only then): one launch gathers
+    CUDA tensors are handed to kvtier.vllm.blockcopy.cuda (imported only then): one launch gathers
     all layers' blocks on a copy stream, one DMA moves them to a pooled pinned buffer.
     `max_blocks` (blocks of a full chunk) sizes that pool's `pinned_buffers` slots up front;
     without it the pool is sized by the first payload and grows if a larger one comes.
@@ -94,7 +42,7 @@ class BlockCopier:
         self.tensors = list(tensors)
         self._cuda: Any = None
         if self.tensors and self.tensors[0].device.type == "cuda":
-            from kvtier.vllm.cuda_copy import CudaBlockCopier
+            from kvtier.vllm.blockcopy.cuda import CudaBlockCopier
 
             self._cuda = CudaBlockCopier(
                 layout,

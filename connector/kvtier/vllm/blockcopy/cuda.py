@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from kvtier.vllm.copier import HostBuffer, Payload
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload
+from kvtier.vllm.blockcopy.pinned import PinnedHostBuffer, PinnedPool
 from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
-from kvtier.vllm.pinned import PinnedHostBuffer, PinnedPool
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class CudaBlockCopier:
     ) -> PinnedHostBuffer:
         """A save slot holding `block_ids` of every layer once the copy lands (``view()``
         waits). A slot is waited for up to `wait_secs` (default: the pool's bound), then
-        `kvtier.vllm.copier.SlotsBusy` is raised."""
+        `kvtier.vllm.blockcopy.copier.SlotsBusy` is raised."""
         n = len(block_ids)
         nbytes = self.layout.payload_nbytes(n)
         pool = self._ensure_capacity(nbytes, saves=True)
@@ -251,7 +251,7 @@ class CudaBlockCopier:
         after: Any = None,
         wait: bool = False,
     ) -> None:
-        """`kvtier.vllm.copier.BlockCopier.scatter_many` on CUDA (``after``, ``wait``: there)."""
+        """`BlockCopier.scatter_many` (copier.py) on CUDA (``after``, ``wait``: there)."""
         if not items:
             return
         for payload, stored, first, block_ids in items:
@@ -320,9 +320,9 @@ class CudaBlockCopier:
         if num_ids == 0:
             return
         if self.mode == "triton":
-            from kvtier.vllm import _triton_copy
+            from kvtier.vllm.blockcopy import _triton
 
-            _triton_copy.launch(
+            _triton.launch(
                 self._kv_words,
                 self._staging.view(self._word_dtype),
                 self._layer_offsets,
@@ -388,7 +388,7 @@ def _parallel_copy(dst: Any, src: Any) -> None:
 
 def _have_triton() -> bool:
     try:
-        from kvtier.vllm import _triton_copy  # noqa: F401
+        from kvtier.vllm.blockcopy import _triton  # noqa: F401
     except ImportError:
         return False
     return True

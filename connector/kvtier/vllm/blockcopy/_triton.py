@@ -1,4 +1,4 @@
-"""The Triton kernel of kvtier.vllm.cuda_copy: every layer's pages of a chunk in one launch.
+"""The Triton kernel of kvtier.vllm.blockcopy.cuda: every layer's pages of a chunk in one launch.
 
 Imported only on CUDA, when Triton is there. One program copies one piece of one run of one
 page (layer l, block j), 16-byte vectors where the geometry is 16-byte aligned:
