@@ -22,6 +22,7 @@ from kvtier.explain.held import CacheView
 from kvtier.format import pack_header
 from kvtier.keys import chunk_hashes
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.s3_boto3 import Boto3S3Tier
 
 LICENSE = Path("/usr/share/common-licenses/GPL-2")  # ~3,000 words: Debian's base-files
 STAMP = "Generated 2026-12-03T10:00:00Z\n"
@@ -179,23 +180,18 @@ class _FakeS3Client:
         return Pages()
 
 
-class _FakeS3Tier:
-    bucket = "kvtier-cache"
+class _FakeS3Tier(Boto3S3Tier):
+    """The boto3 tier on a fake client (its listing is real), with HEADs answered here."""
 
-    def __init__(self, present: set[str]) -> None:
+    def __init__(self, client: _FakeS3Client, present: set[str]) -> None:
+        super().__init__(client, "kvtier-cache", "pre", concurrency=1)
         self.present = present
         self.asked: list[str] = []
-
-    def object_key(self, key: str) -> str:
-        return f"pre/{key}"
 
     def heads(self, keys: list[str]) -> list[list[str] | None]:
         """Objects of one chunk each (they list no chunks)."""
         self.asked += keys
         return [[] if k in self.present else None for k in keys]
-
-    def close(self) -> None:
-        pass
 
 
 def test_s3_layouts_come_from_a_delimited_listing_and_heads() -> None:
@@ -203,7 +199,7 @@ def test_s3_layouts_come_from_a_delimited_listing_and_heads() -> None:
     view = CacheView(cfg, "prod")
     fp = "cd" * 16
     client = _FakeS3Client([f"pre/prod/{fp}/", "pre/prod/.doctor/", f"pre/prod/{'ef' * 16}/"])
-    view._client, view._s3 = client, _FakeS3Tier({f"prod/{fp}/h1"})
+    view._s3 = _FakeS3Tier(client, {f"prod/{fp}/h1"})
     assert view.fingerprints(None) == sorted([fp, "ef" * 16])
     assert client.calls == [{"Bucket": "kvtier-cache", "Prefix": "pre/prod/", "Delimiter": "/"}]
     assert view.held(fp, ["h1", "h2"]) == {"s3": [True, False]}

@@ -4,23 +4,11 @@ namespace. `kvtier ls` and `purge`, `kvtier verify` and the benchmarks' cleanup 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 
 from kvtier.config import KvtierConfig
 from kvtier.keys import ChunkKey
+from kvtier.tiers import persistent_tiers
 from kvtier.tiers.base import Tier
-
-
-def persistent_tiers(cfg: KvtierConfig, only: str | None) -> Iterator[Tier]:
-    """The persistent tiers of ``cfg`` (the CPU tier lives only inside a running process)."""
-    if cfg.local_disk and only in (None, "disk"):
-        from kvtier.tiers.disk import DiskTier
-
-        yield DiskTier(cfg.local_disk, cfg.disk_bytes, maintain=False)
-    if cfg.remote_url and only in (None, "s3"):
-        from kvtier.tiers.s3_boto3 import Boto3S3Tier
-
-        yield Boto3S3Tier.from_config(cfg)
 
 
 def chunks_held(tier: Tier, keys: list[str]) -> int:

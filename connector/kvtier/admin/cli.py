@@ -12,11 +12,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvtier.admin.chunks import persistent_tiers
 from kvtier.admin.doctor import Doctor
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier.keys import ChunkKey
 from kvtier.stats import StoreStats, read_stats_dir
+from kvtier.tiers import persistent_tiers
 from kvtier.tiers.base import Tier, TierError
 
 _MIB = 1024 * 1024

@@ -4,8 +4,9 @@ A tier key is ``<namespace>/<layout fingerprint>/<chunk hash>``. The fingerprint
 layout vLLM picks at run time (model, dtype, block size, kernel, TP rank...), so it is found in
 the tiers: the directories under ``<local_disk>/<namespace>/`` and the common prefixes of an S3
 listing under ``<prefix>/<namespace>/``, or given (``--fingerprint``). Then each chunk key is
-checked: a stat on disk (no tier is built: `DiskTier`'s start-up evicts and cleans up), on S3
-a walk over the objects that hold the prompt's leading chunks (HEADs; kvtier.prefix). Nothing
+checked: a stat on disk (no `DiskTier` is opened: it indexes every file of the directory, and
+only a few paths are asked here), on S3 (the tools' tier: `kvtier.tiers.persistent_tiers`) a
+walk over the objects that hold the prompt's leading chunks (HEADs; kvtier.prefix). Nothing
 is written or deleted. The CPU tier lives inside the server: not visible here.
 """
 
@@ -22,6 +23,7 @@ from kvtier.explain.prompts import ExplainError
 from kvtier.format import short_hash
 from kvtier.keys import ChunkKey
 from kvtier.prefix import walk_objects
+from kvtier.tiers import persistent_tiers
 from kvtier.tiers.base import TierError
 from kvtier.tiers.disk import chunk_path
 
@@ -44,15 +46,9 @@ class CacheView:
     namespace: str
     errors: dict[str, str] = field(default_factory=dict)
     _s3: Any = None
-    _client: Any = None
 
     def __post_init__(self) -> None:
-        if self.cfg.remote_url:
-            from kvtier.tiers.s3_boto3 import Boto3S3Tier, make_boto3_client
-
-            pool = self.cfg.extra_config.s3_max_io_concurrency
-            self._client = make_boto3_client(self.cfg, pool)
-            self._s3 = Boto3S3Tier(self._client, self.cfg.s3_bucket or "", self.cfg.s3_prefix, pool)
+        self._s3 = next(persistent_tiers(self.cfg, "s3"), None)
 
     @property
     def tiers(self) -> list[str]:
@@ -69,22 +65,12 @@ class CacheView:
             return set()
 
     def _s3_fingerprints(self) -> set[str]:
-        from kvtier.tiers.s3_boto3 import error_cause
-
-        prefix = self._s3.object_key(self.namespace) + "/"
-        found: set[str] = set()
         try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self._s3.bucket, Prefix=prefix, Delimiter="/"
-            )
-            for page in pages:
-                for common in page.get("CommonPrefixes", []):
-                    name = common["Prefix"][len(prefix) :].rstrip("/")
-                    if _FINGERPRINT.match(name):
-                        found.add(name)
-        except Exception as exc:  # any client failure: reported, the other tier still answers
-            self.errors["s3"] = f"cannot list s3://{self._s3.bucket}/{prefix} ({error_cause(exc)})"
-        return found
+            names = self._s3.list_dirs(self.namespace)
+        except TierError as exc:  # reported; the other tier still answers
+            self.errors["s3"] = f"cannot list the S3 tier ({exc.cause}: {exc})"
+            return set()
+        return {name for name in names if _FINGERPRINT.match(name)}
 
     def fingerprints(self, wanted: str | None) -> list[str]:
         """The layouts stored under the namespace (those starting with ``wanted`` if given)."""

@@ -1,8 +1,16 @@
 """Storage tiers, fastest first: CPU memory, local disk, S3 (Ceph RGW). One module each; the
-tier clients are imported only when a config enables them."""
+tier clients are imported only when a config enables them.
+
+Tiers are built here only: `tiers_from_config` for a server (every tier the config enables,
+S3 behind its circuit breaker and cap), `persistent_tiers` for the tools (what outlives a
+server, opened read-mostly, failures raised). A new tier is a `kvtier.tiers.base.Tier` in a
+module of its own, built in both functions (CONTRIBUTING.md). The benchmarks that compare S3
+clients build each client's tier on purpose (kvtier.bench.store_runs).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.base import Tier, TierError
@@ -10,7 +18,7 @@ from kvtier.tiers.base import Tier, TierError
 if TYPE_CHECKING:
     from kvtier.config import KvtierConfig
 
-__all__ = ["Tier", "TierError", "tiers_from_config"]
+__all__ = ["Tier", "TierError", "persistent_tiers", "tiers_from_config"]
 
 
 def tiers_from_config(
@@ -57,3 +65,19 @@ def tiers_from_config(
     if not tiers:
         raise ValueError(f"no tier enabled in {cfg.source}")
     return tiers
+
+
+def persistent_tiers(cfg: KvtierConfig, only: str | None = None) -> Iterator[Tier]:
+    """The tiers of ``cfg`` that outlive a server (disk, S3; the CPU tier lives only inside a
+    running process), as the tools open them (`kvtier ls`, `purge`, `verify`, `explain`): the
+    disk without start-up maintenance (a running server's temp files are its own), S3 through
+    boto3 without a circuit breaker, so that a failure is raised to the tool, not skipped.
+    ``only``: one of them. The caller closes each tier."""
+    if cfg.local_disk and only in (None, "disk"):
+        from kvtier.tiers.disk import DiskTier
+
+        yield DiskTier(cfg.local_disk, cfg.disk_bytes, maintain=False)
+    if cfg.remote_url and only in (None, "s3"):
+        from kvtier.tiers.s3_boto3 import Boto3S3Tier
+
+        yield Boto3S3Tier.from_config(cfg)

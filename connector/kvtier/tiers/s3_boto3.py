@@ -250,6 +250,20 @@ class Boto3S3Tier(Tier):
         except Exception as exc:
             raise TierError(error_cause(exc), f"S3 LIST s3://{self.bucket}/{full}: {exc}") from exc
 
+    def list_dirs(self, prefix: str) -> list[str]:
+        """The names one level below ``prefix`` (S3's common prefixes for the delimiter "/"),
+        e.g. the layout fingerprints stored under a namespace."""
+        full = self.object_key(prefix.rstrip("/")) + "/"
+        paginator = self._client.get_paginator("list_objects_v2")
+        names: list[str] = []
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
+                for common in page.get("CommonPrefixes", []):
+                    names.append(common["Prefix"][len(full) :].rstrip("/"))
+        except Exception as exc:
+            raise TierError(error_cause(exc), f"S3 LIST s3://{self.bucket}/{full}: {exc}") from exc
+        return names
+
     def touch(self, key: str) -> None:
         """Copy the object onto itself (S3 has no touch): its metadata is read first, since a
         copy onto itself must replace it, and the copy is made only of the object that HEAD
