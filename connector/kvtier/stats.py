@@ -121,10 +121,6 @@ class StoreStats:
         return cls(**top, tiers=tiers)
 
 
-#: Suffix of a stats key holding a list of durations (seconds) for a histogram.
-SAMPLES = "@samples"
-
-
 #: A tier's fill: how full it is (``used_bytes``, ``capacity_bytes``: gauges built from deltas) and
 #: what staying under its cap cost (``evictions``).
 FILL_FIELDS = ("evictions", "used_bytes", "capacity_bytes")

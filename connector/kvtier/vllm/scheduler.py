@@ -58,9 +58,9 @@ from typing import Any
 
 from kvtier.admission import Admission, SaveTiers
 from kvtier.keys import chunk_hashes, chunk_id
+from kvtier.metrics import SAMPLES
 from kvtier.prefix import RemotePrefix
 from kvtier.ratelimit import RateLimitedLog
-from kvtier.stats import SAMPLES
 from kvtier.vllm.divergence import PrefixHistory
 from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
 

@@ -7,30 +7,12 @@ crosses processes any other way (no module globals, no default Prometheus regist
 ending in ``@samples`` holds a list of durations (seconds) for a histogram; aggregating joins
 the lists.
 
-Names (values are token or chunk counts unless the name says otherwise):
-- scheduler: ``lookup_requests``, ``lookup_tokens`` (prompt tokens looked up), ``hit_tokens``
-  (tokens planned to load), ``hit_tokens.<tier>`` (by the tier expected to serve them),
-  ``planned_save_chunks``, ``remote_unadmitted_chunks`` and ``remote_late_admitted_chunks``
-  (admission to the remote tier, kvtier.admission), ``remote_lookups``, ``lookup_timeouts``
-  (remote lookups given up after lookup_timeout_secs), ``remote_lookup_seconds@samples``,
-  ``prefix_divergences`` (requests whose prompt diverged from an earlier one's where their
-  lookup stopped),
-  ``uncached_requests.<reason>`` (requests served without kvtier, `kvtier.vllm.identity`);
-- worker: ``loaded_chunks``, ``loaded_tokens``, ``load_failed_chunks``, ``load_failed_tokens``,
-  ``load_timeouts``, ``load_seconds`` (and ``@samples``), ``saved_chunks``, ``saved_bytes``,
-  ``save_failed_chunks``, ``save_dropped_chunks``, ``save_copy_seconds`` (and ``@samples``);
-- both (from their store): ``dropped_writes``, ``remote_lookup_requests`` and per tier
-  ``tier.<tier>.{hits,misses,bytes_read,puts,bytes_written,errors,errors.<cause>,
-  circuit_opened,circuit_closed}``;
-- worker only (its store's tiers with a cap): ``tier.<tier>.{evictions,used_bytes,
-  capacity_bytes}``, the last two as changes (the first report carries the whole value). The
-  scheduler's store only looks up: its disk index is the one it read at start.
-
-Prometheus (docs/metrics.md): counters ``kvtier:<name>_total`` in base units (tokens, chunks,
-bytes, seconds), histograms ``kvtier:<name>_seconds``, the gauges ``kvtier:tier_circuit_open``,
-``kvtier:tier_used_bytes`` and ``kvtier:tier_capacity_bytes``. A gauge is moved by the changes
-the processes report, so it is their sum (workers of several ranks with their caps) and needs
-no report from a process that has nothing new.
+The keys, the series they feed and what they mean are catalogued in `kvtier.metrics`
+(documented in docs/metrics.md). Counters are ``kvtier:<name>_total`` in base units (tokens,
+chunks, bytes, seconds), histograms ``kvtier:<name>_seconds``; the gauges
+``kvtier:tier_circuit_open``, ``kvtier:tier_used_bytes`` and ``kvtier:tier_capacity_bytes`` are
+moved by the changes the processes report, so each is their sum (workers of several ranks with
+their caps) and needs no report from a process that has nothing new.
 The ``kvtier:`` prefix follows vLLM's own ``vllm:`` metrics on the same endpoint.
 """
 
@@ -45,11 +27,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvtier.stats import SAMPLES
-
-TIERS = ("cpu", "disk", "s3")
-#: Histogram buckets (seconds) of loads, saves and remote lookups: 1 ms .. 10 s.
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from kvtier.metrics import (
+    BUCKETS,
+    COUNTERS,
+    HISTOGRAMS,
+    SAMPLES,
+    TIER_CIRCUIT_OPEN,
+    TIER_COUNTERS,
+    TIER_ERRORS,
+    TIER_GAUGES,
+    TIERS,
+    UNCACHED_REQUESTS,
+)
 
 
 @dataclass
@@ -84,135 +73,6 @@ class KvtierConnectorStats(KVConnectorStats):  # type: ignore[misc]
         return not any(self.data.values())
 
 
-# (metric name without _total, stats key, help text)
-_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("kvtier:lookup_requests", "lookup_requests", "Requests kvtier looked up (one lookup each)."),
-    ("kvtier:lookup_tokens", "lookup_tokens", "Prompt tokens kvtier looked up."),
-    ("kvtier:hit_tokens", "hit_tokens", "Prompt tokens kvtier planned to load."),
-    ("kvtier:loaded_tokens", "loaded_tokens", "Prompt tokens loaded into the KV cache."),
-    (
-        "kvtier:load_failed_tokens",
-        "load_failed_tokens",
-        "Prompt tokens whose load failed (vLLM recomputed them).",
-    ),
-    ("kvtier:saved_chunks", "saved_chunks", "Chunks handed to the store."),
-    (
-        "kvtier:remote_unadmitted_chunks",
-        "remote_unadmitted_chunks",
-        "Chunks saved without the remote tier: their prefix not yet seen remote_admit_after times.",
-    ),
-    (
-        "kvtier:remote_late_admitted_chunks",
-        "remote_late_admitted_chunks",
-        "Chunks a local tier held, saved to the remote tier on the sight that admitted them.",
-    ),
-    ("kvtier:saved_bytes", "saved_bytes", "Payload bytes handed to the store."),
-    ("kvtier:dropped_writes", "dropped_writes", "Background tier writes dropped (backpressure)."),
-    (
-        "kvtier:save_dropped_chunks",
-        "save_dropped_chunks",
-        "Chunks not saved: no pinned save buffer came free within save_wait_secs (CUDA).",
-    ),
-    ("kvtier:save_failed_chunks", "save_failed_chunks", "Chunks whose copy out failed."),
-    (
-        "kvtier:kv_events_published",
-        "kv_events_published",
-        "KV events (BlockStored, BlockRemoved) kvtier handed to vLLM's publisher.",
-    ),
-    (
-        "kvtier:kv_events_dropped",
-        "kv_events_dropped",
-        "KV events or workers' reports dropped: over the bounds, or of chunks no longer known.",
-    ),
-    ("kvtier:remote_lookups", "remote_lookups", "Lookups that asked the remote tier."),
-    (
-        "kvtier:remote_lookup_requests",
-        "remote_lookup_requests",
-        "Requests (HEADs) the remote tier's lookups made.",
-    ),
-    (
-        "kvtier:lookup_timeouts",
-        "lookup_timeouts",
-        "Remote lookups given up after lookup_timeout_secs (the request went on without them).",
-    ),
-    ("kvtier:load_timeouts", "load_timeouts", "Loads that took longer than blocking_timeout_secs."),
-    (
-        "kvtier:prefix_divergences",
-        "prefix_divergences",
-        "Requests whose prompt differs from an earlier one with the same first chunk right where "
-        "their lookup stopped (a changing value in the prompt; the server log names the chunk).",
-    ),
-    # Where a hit's time goes (seconds, summed over the steps that loaded chunks).
-    ("kvtier:load_fetch_seconds", "load_fetch_seconds", "Fetching loaded chunks from the tiers."),
-    (
-        "kvtier:load_verify_seconds",
-        "load_verify_seconds",
-        "Checking fetched chunks' headers and checksums (part of the fetch).",
-    ),
-    ("kvtier:load_copy_seconds", "load_copy_seconds", "Copying fetched chunks into the KV cache."),
-    (
-        "kvtier:forward_seconds",
-        "forward_seconds",
-        "The forward passes of the steps that loaded chunks (after the load).",
-    ),
-    ("kvtier:forward_steps", "forward_steps", "Steps that loaded chunks."),
-)
-_TIER_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    (
-        "kvtier:hit_tokens_by_tier",
-        "hit_tokens.{tier}",
-        "Prompt tokens kvtier planned to load, by the tier expected to serve them.",
-    ),
-    ("kvtier:tier_hits", "tier.{tier}.hits", "Chunks read and verified from the tier."),
-    ("kvtier:tier_misses", "tier.{tier}.misses", "Chunk reads the tier could not answer."),
-    ("kvtier:tier_bytes_read", "tier.{tier}.bytes_read", "Payload bytes read from the tier."),
-    ("kvtier:tier_puts", "tier.{tier}.puts", "Chunks written to the tier."),
-    (
-        "kvtier:tier_bytes_written",
-        "tier.{tier}.bytes_written",
-        "Bytes written to the tier (chunk header and payload).",
-    ),
-    (
-        "kvtier:tier_evictions",
-        "tier.{tier}.evictions",
-        "Chunks the tier evicted to stay under its cap (CPU, disk).",
-    ),
-    (
-        "kvtier:tier_circuit_opened",
-        "tier.{tier}.circuit_opened",
-        "Times the tier's circuit breaker opened (the tier stopped being asked).",
-    ),
-)
-# (metric name, stats key of its changes, help text): gauges of a tier's fill.
-_TIER_GAUGES: tuple[tuple[str, str, str], ...] = (
-    (
-        "kvtier:tier_used_bytes",
-        "tier.{tier}.used_bytes",
-        "Bytes the tier holds now (CPU, disk: the ones with a cap), summed over the workers.",
-    ),
-    (
-        "kvtier:tier_capacity_bytes",
-        "tier.{tier}.capacity_bytes",
-        "The tier's cap in bytes (max_local_cpu_size, max_local_disk_size), summed over the "
-        "workers.",
-    ),
-)
-_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
-    ("kvtier:load_seconds", "load_seconds", "Loading the chunks of one step (fetch and copy)."),
-    (
-        "kvtier:save_seconds",
-        "save_copy_seconds",
-        "vLLM's thread in wait_for_save: queueing one step's chunk copies (the store's work "
-        "runs in the save thread).",
-    ),
-    (
-        "kvtier:remote_lookup_seconds",
-        "remote_lookup_seconds",
-        "A request's wait for the remote tier's lookup (answered or given up).",
-    ),
-)
-
-
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """Prometheus metrics, registered by vLLM's metric classes (multiprocess-safe)."""
 
@@ -234,31 +94,22 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         def per_tier(cls: Any, name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return cls(name=name, documentation=doc, labelnames=[*labelnames, "tier", *extra])
 
-        self._plain = [(k, per_engine(self._counter_cls, n, d)) for n, k, d in _COUNTERS]
-        self._tiered = [(k, per_tier(self._counter_cls, n, d)) for n, k, d in _TIER_COUNTERS]
+        self._plain = [(m.key, per_engine(self._counter_cls, m.name, m.help)) for m in COUNTERS]
+        self._tiered = [(m.key, per_tier(self._counter_cls, m.name, m.help)) for m in TIER_COUNTERS]
         self._hist = [
-            (k, per_engine(self._histogram_cls, n, d, buckets=list(_BUCKETS)))
-            for n, k, d in _HISTOGRAMS
+            (m.key, per_engine(self._histogram_cls, m.name, m.help, buckets=list(BUCKETS)))
+            for m in HISTOGRAMS
         ]
         self._uncached = self._counter_cls(
-            name="kvtier:uncached_requests",
-            documentation="Requests served without kvtier (nothing looked up, loaded or saved), "
-            "by reason: namespace_not_allowed, unknown_extra_key (an identity the chunk keys "
-            "cannot cover), lora_unreadable (adapter files kvtier cannot read).",
+            name=UNCACHED_REQUESTS.name,
+            documentation=UNCACHED_REQUESTS.help,
             labelnames=[*labelnames, "reason"],
         )
-        self._errors = per_tier(
-            self._counter_cls,
-            "kvtier:tier_errors",
-            "Failed tier operations, by cause (timeout, connection, checksum, no_space, ...).",
-            ("cause",),
-        )
+        self._errors = per_tier(self._counter_cls, TIER_ERRORS.name, TIER_ERRORS.help, ("cause",))
         self._circuit_open = per_tier(
-            self._gauge_cls,
-            "kvtier:tier_circuit_open",
-            "Processes (scheduler, workers) whose circuit breaker keeps the tier out now.",
+            self._gauge_cls, TIER_CIRCUIT_OPEN.name, TIER_CIRCUIT_OPEN.help
         )
-        self._fill = [(k, per_tier(self._gauge_cls, n, d)) for n, k, d in _TIER_GAUGES]
+        self._fill = [(m.key, per_tier(self._gauge_cls, m.name, m.help)) for m in TIER_GAUGES]
         # 0, not absent, while all is well (rates and alerts then see 0, not "no data"). The fill
         # gauges appear with the first report of a tier with a cap: 0 bytes of a 0-byte cap is
         # not a tier's fill.

@@ -37,7 +37,8 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvtier.admission import SaveTiers
-from kvtier.stats import SAMPLES, StoreStats, store_deltas, without_fill
+from kvtier.metrics import SAMPLES
+from kvtier.stats import StoreStats, store_deltas, without_fill
 from kvtier.store import ChunkRef
 from kvtier.vllm.blockcopy.copier import BlockCopier
 from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
