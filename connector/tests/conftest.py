@@ -184,7 +184,7 @@ def ceph_s3() -> Iterator[CephS3]:
 @pytest.fixture(scope="session")
 def tiny_model_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's config and tokenizer, without weights (`tokenizers` only, no torch)."""
-    from kvtier.model import write_tokenizer_and_config
+    from kvtier_tools.model import write_tokenizer_and_config
 
     return write_tokenizer_and_config(tmp_path_factory.mktemp("tiny-model"))
 

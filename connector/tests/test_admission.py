@@ -15,8 +15,8 @@ import pytest
 from kvtier.admission import Admission, SightCounter
 from kvtier.keys import chunk_hashes
 from kvtier.prefix import RemotePrefix
-from kvtier.vllm.plan import SaveSpec
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
+from kvtier.vllm.step_plan import SaveSpec
 
 CHUNK, BLOCK = 256, 128
 PROMPT = list(range(3 * CHUNK + 1))  # three full chunks and the token vLLM always computes
@@ -42,6 +42,26 @@ def test_admit_after_one_counts_nothing_and_admits_everything() -> None:
         Admission(after=0, window_chunks=10)
 
 
+class _RemoteOnly:
+    """The store as the scheduler side sees it (`ChunkLookups`): its local tiers hold nothing,
+    its remote tier answers every lookup with ``answer``."""
+
+    def __init__(self, answer: Future[RemotePrefix]) -> None:
+        self.answer = answer
+
+    def local_prefix(self, hashes: Sequence[str]) -> int:
+        return 0
+
+    def remote_prefix(self, hashes: Sequence[str], start: int) -> Future[RemotePrefix] | None:
+        return self.answer
+
+    def count_lookup(self, asked: int, found: int) -> None:
+        return
+
+    def on_disk(self, hashes: Sequence[str]) -> list[bool]:
+        return [False] * len(hashes)
+
+
 def _scheduler(
     after: int = 2,
     *,
@@ -53,17 +73,14 @@ def _scheduler(
     ``remote`` (nothing by default), admitting chunks from their ``after``-th sight."""
     answer: Future[RemotePrefix] = Future()
     answer.set_result(remote or RemotePrefix())
-    return SchedulerSide(
+    settings = SchedulerSettings(
         chunk_size=CHUNK,
         block_size=BLOCK,
-        save_unfull_chunk=False,
-        cpu_index=CpuTierIndex(100 if local_tiers else 0),
-        local_lookup=None,
-        remote_lookup=lambda hashes, start: answer,
         object_chunks=runs,
         admission=Admission(after, window_chunks=1000),
         local_tiers=local_tiers,
     )
+    return SchedulerSide(settings, _RemoteOnly(answer), CpuTierIndex(100 if local_tiers else 0))
 
 
 def _serve(s: SchedulerSide, req: str, prompt: Sequence[int] = PROMPT) -> list[SaveSpec]:
@@ -132,8 +149,8 @@ def test_chunks_the_remote_tier_was_seen_to_hold_are_not_admitted_again() -> Non
     """The CPU tier holds chunks 0-1, the remote tier's walk finds them in an object (another
     server admitted them): nothing to write up; chunk 2, computed, goes to every tier."""
     s = _scheduler(after=2, runs=4, remote=RemotePrefix(found=2, objects=((0, 2),), requests=1))
-    assert s.admission is not None
-    s.admission.see(HASHES)  # seen once before
+    assert s.settings.admission is not None
+    s.settings.admission.see(HASHES)  # seen once before
     for h in HASHES[:2]:
         s.cpu_index.add(h)
     saves = _serve(s, "r2")

@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 import pytest
 from _helpers import send_completion_stream
 
-from kvtier.bench import compare_report, longdoc
-from kvtier.bench import load as load_module
-from kvtier.bench.compare_sweep import kv_bytes_per_token, working_set_chunks
-from kvtier.bench.load import (
+from kvtier_tools.bench import compare_report, longdoc
+from kvtier_tools.bench import load as load_module
+from kvtier_tools.bench.compare_sweep import kv_bytes_per_token, working_set_chunks
+from kvtier_tools.bench.load import (
     CSV_FIELDS,
     Record,
     Request,
@@ -35,12 +35,19 @@ from kvtier.bench.load import (
     write_csv,
     write_json,
 )
-from kvtier.bench.longdoc import longdoc_plan, repeat_order
-from kvtier.bench.presets import SMOKE, Conversation, MixedLoad, Sizes, make_presets, next_turn
-from kvtier.bench.rounds import cache_counters
-from kvtier.cli import main as cli_main
-from kvtier.completions import Completion, CompletionError, stream_completion
-from kvtier.vllm.server import ServerError, VllmServer
+from kvtier_tools.bench.longdoc import longdoc_plan, repeat_order
+from kvtier_tools.bench.presets import (
+    SMOKE,
+    Conversation,
+    MixedLoad,
+    Sizes,
+    make_presets,
+    next_turn,
+)
+from kvtier_tools.bench.rounds import cache_counters
+from kvtier_tools.cli import main as cli_main
+from kvtier_tools.completions import Completion, CompletionError, stream_completion
+from kvtier_tools.server import ServerError, VllmServer, parse_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -375,13 +382,13 @@ def test_kv_bytes_per_token_of_the_tiny_model_shape(tmp_path: Path) -> None:
 
 
 def test_hit_rate_counts_vllm_and_connector_hits_over_prompt_tokens() -> None:
-    before = {'vllm:prompt_tokens_total{engine="0"}': 1000.0}
-    after = {
-        'vllm:prompt_tokens_total{engine="0"}': 5000.0,
-        'vllm:prefix_cache_hits_total{engine="0"}': 1000.0,
-        'vllm:external_prefix_cache_hits_total{engine="0"}': 2000.0,
-        'kvtier:tier_hits_total{engine="0",tier="disk"}': 8.0,
-    }
+    before = parse_metrics('vllm:prompt_tokens_total{engine="0"} 1000.0\n')
+    after = parse_metrics(
+        'vllm:prompt_tokens_total{engine="0"} 5000.0\n'
+        'vllm:prefix_cache_hits_total{engine="0"} 1000.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0"} 2000.0\n'
+        'kvtier:tier_hits_total{engine="0",tier="disk"} 8.0\n'
+    )
     counters = cache_counters(before, after)
     assert counters["hit_rate"] == 0.75 and counters["kvtier_disk_hit_chunks"] == 8.0
     assert math.isnan(cache_counters(after, after)["hit_rate"])

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench import store as bench_store
-from kvtier.bench import store_runs
-from kvtier.bench import ttft as bench_ttft
+from kvtier_tools.bench import store as bench_store
+from kvtier_tools.bench import store_runs
+from kvtier_tools.bench import ttft as bench_ttft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -71,7 +71,7 @@ def test_ttft_command_writes_the_plot_next_to_the_json(
 ) -> None:
     """The command's output handling only: the measurement is replaced by REPORT."""
     pytest.importorskip("matplotlib")
-    from kvtier.cli import main as cli_main
+    from kvtier_tools.cli import main as cli_main
 
     monkeypatch.setattr(bench_ttft, "run_bench", lambda args: REPORT)
     report = tmp_path / "bench-ttft.json"

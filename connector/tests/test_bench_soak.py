@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from kvtier.bench.load import Record
-from kvtier.bench.soak import _windows, process_tree, sample, slope_per_1000
+from kvtier_tools.bench.load import Record
+from kvtier_tools.bench.soak import _windows, process_tree, sample, slope_per_1000
 
 
 def test_the_process_tree_holds_the_children() -> None:

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.cli import main as cli_main
 from kvtier.config import load_config
 from kvtier.tiers.s3_boto3 import make_boto3_client
+from kvtier_tools.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
 

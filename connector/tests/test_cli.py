@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from _helpers import FINGERPRINT, chunks
 
-from kvtier.admin.cli import cmd_purge
-from kvtier.cli import build_parser, main
 from kvtier.config import load_config
 from kvtier.store import TieredStore
+from kvtier_tools.admin.cli import cmd_purge
+from kvtier_tools.cli import build_parser, main
 
 
 @pytest.fixture

@@ -15,14 +15,14 @@ from typing import Any, ClassVar
 import pytest
 from _helpers import FINGERPRINT
 
-from kvtier.cli import main
 from kvtier.config import load_config
-from kvtier.explain.compare import Rendered
-from kvtier.explain.held import CacheView
 from kvtier.format import pack_header
 from kvtier.keys import chunk_hashes
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.s3_boto3 import Boto3S3Tier
+from kvtier_tools.cli import main
+from kvtier_tools.explain.compare import Rendered
+from kvtier_tools.explain.held import CacheView
 
 LICENSE = Path("/usr/share/common-licenses/GPL-2")  # ~3,000 words: Debian's base-files
 STAMP = "Generated 2026-12-03T10:00:00Z\n"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.gateway.channel import Outcome, check_profile
-from kvtier.gateway.cli import main as gateway_main
-from kvtier.gateway.profile import (
+from kvtier_tools.gateway.channel import Outcome, check_profile
+from kvtier_tools.gateway.cli import main as gateway_main
+from kvtier_tools.gateway.profile import (
     GatewayError,
     Profile,
     active_profile_name,

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import zmq
 
-from kvtier.cli import main
-from kvtier.kvevents.index import PrefixIndex, Score
-from kvtier.kvevents.wire import (
+from kvtier_tools.cli import main
+from kvtier_tools.kvevents.index import PrefixIndex, Score
+from kvtier_tools.kvevents.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

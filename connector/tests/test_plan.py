@@ -12,11 +12,17 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.presets import FULL, MixedLoad
-from kvtier.cli import main
-from kvtier.plan.shape import PlanError, load_shape
-from kvtier.plan.simulate import SimRequest, TierSimulation, requests_from_prompts, run, simulate
-from kvtier.plan.workload import Analytic, Workload
+from kvtier_tools.bench.presets import FULL, MixedLoad
+from kvtier_tools.cli import main
+from kvtier_tools.plan.shape import PlanError, load_shape
+from kvtier_tools.plan.simulate import (
+    SimRequest,
+    TierSimulation,
+    requests_from_prompts,
+    run,
+    simulate,
+)
+from kvtier_tools.plan.workload import Analytic, Workload
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_TTFT = REPO / "docs" / "img" / "bench-ttft.json"

@@ -14,7 +14,8 @@ import pytest
 
 from kvtier.keys import chunk_hashes
 from kvtier.vllm.divergence import PrefixHistory
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
+from kvtier.vllm.stores import StoreLookups
 
 CHUNK, BLOCK = 256, 128
 SYSTEM = 600  # tokens before the changing line: chunks 0 and 1 hold only the system prompt
@@ -31,13 +32,9 @@ def _stamped(stamp: int, document: list[int]) -> list[int]:
 
 
 def _scheduler(cpu_chunks: int = 10_000) -> SchedulerSide:
-    return SchedulerSide(
-        chunk_size=CHUNK,
-        block_size=BLOCK,
-        save_unfull_chunk=False,
-        cpu_index=CpuTierIndex(cpu_chunks),
-        local_lookup=None,
-    )
+    # No store: only the CPU-tier index holds chunks.
+    settings = SchedulerSettings(chunk_size=CHUNK, block_size=BLOCK)
+    return SchedulerSide(settings, StoreLookups(None), CpuTierIndex(cpu_chunks))
 
 
 def _serve(s: SchedulerSide, req_id: str, prompt: list[int]) -> int | None:

@@ -15,9 +15,9 @@ import pytest
 from _helpers import FINGERPRINT, chunks
 from _s3 import S3Env, bucket_quota_with_room, objects
 
-from kvtier.cli import main as cli_main
 from kvtier.config import load_config
 from kvtier.store import TieredStore
+from kvtier_tools.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
 

@@ -17,12 +17,12 @@ import pytest
 from _helpers import FINGERPRINT, chunks
 from _s3 import S3Env, objects
 
-from kvtier.admin.chunks import count_chunks
-from kvtier.cli import main as cli_main
 from kvtier.config import load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.store import ChunkRef, TieredStore
 from kvtier.tiers.s3_boto3 import make_boto3_client
+from kvtier_tools.admin.chunks import count_chunks
+from kvtier_tools.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
 
@@ -250,7 +250,7 @@ def test_ls_stats_and_purge(
     assert cli_main(["purge", "--config", str(path), "--namespace", "other"]) == 0
     assert "nothing to purge" in capsys.readouterr().out
     answers = iter(["n"])
-    from kvtier.admin.cli import cmd_purge
+    from kvtier_tools.admin.cli import cmd_purge
 
     args = admin_args(path)
     assert cmd_purge(args, confirm=lambda _q: next(answers)) == 1
@@ -263,7 +263,7 @@ def test_ls_stats_and_purge(
 
 
 def admin_args(path: Path) -> Any:
-    from kvtier.cli import build_parser
+    from kvtier_tools.cli import build_parser
 
     return build_parser().parse_args(["purge", "--config", str(path)])
 

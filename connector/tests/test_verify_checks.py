@@ -21,11 +21,11 @@ import pytest
 from _helpers import send_completion_stream
 
 from kvtier.config import load_config
-from kvtier.verify.checks import Step
-from kvtier.verify.report import first_failure
-from kvtier.verify.rounds import OTHER_TENANT_SALT
-from kvtier.verify.settings import Settings
-from kvtier.verify.steps import run
+from kvtier_tools.verify.checks import Step
+from kvtier_tools.verify.report import first_failure
+from kvtier_tools.verify.rounds import OTHER_TENANT_SALT
+from kvtier_tools.verify.settings import Settings
+from kvtier_tools.verify.steps import run
 
 DOCS, DOC_TOKENS, CHUNK = 2, 512, 256
 COLD_TTFT, HIT_TTFT = 0.12, 0.01
@@ -115,13 +115,15 @@ def fake_vllm() -> Iterator[str]:
 
 
 def _verify(url: str, fault: str, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
-    import kvtier.admin.chunks
+    import kvtier_tools.admin.chunks
 
     _FakeVllm.fault = fault
     objects = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost_object" else 0)
-    monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda cfg, ns, only: {"s3": 0})
     monkeypatch.setattr(
-        kvtier.admin.chunks,
+        kvtier_tools.admin.chunks, "purge_namespace", lambda cfg, ns, only: {"s3": 0}
+    )
+    monkeypatch.setattr(
+        kvtier_tools.admin.chunks,
         "count_chunks_by_layout",
         lambda cfg, ns: {"s3": {"f" * 32: objects}, "disk": {}},
     )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
-from kvtier.verify.lock import exclusive
+from kvtier_tools.cli import main
+from kvtier_tools.verify.lock import exclusive
 
 BASE = [
     "verify",

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from _helpers import send_completion_stream
 
-from kvtier.cli import main
 from kvtier.config import load_config
-from kvtier.verify.checks import Step
-from kvtier.verify.fleet import FleetSettings, Peer, run
-from kvtier.verify.report import first_failure
+from kvtier_tools.cli import main
+from kvtier_tools.verify.checks import Step
+from kvtier_tools.verify.fleet import FleetSettings, Peer, run
+from kvtier_tools.verify.report import first_failure
 
 DOCS, DOC_TOKENS, CHUNK = 2, 512, 256
 
@@ -78,15 +78,15 @@ def _url(srv: Any) -> str:
 
 
 def _run(servers: dict[str, Any], fault: str, monkeypatch: pytest.MonkeyPatch) -> list[Step]:
-    import kvtier.admin.chunks
+    import kvtier_tools.admin.chunks
 
     servers["peer"].fault = fault
     stored = DOCS * DOC_TOKENS // CHUNK - (1 if fault == "lost" else 0)
-    monkeypatch.setattr(kvtier.admin.chunks, "purge_namespace", lambda *a: {"s3": 0})
+    monkeypatch.setattr(kvtier_tools.admin.chunks, "purge_namespace", lambda *a: {"s3": 0})
     monkeypatch.setattr(
-        kvtier.admin.chunks, "count_chunks_by_layout", lambda *a: {"s3": {"f" * 32: stored}}
+        kvtier_tools.admin.chunks, "count_chunks_by_layout", lambda *a: {"s3": {"f" * 32: stored}}
     )
-    monkeypatch.setattr(kvtier.verify.fleet, "_OBJECTS_TIMEOUT", 0.5)
+    monkeypatch.setattr(kvtier_tools.verify.fleet, "_OBJECTS_TIMEOUT", 0.5)
     cfg = load_config({"remote_url": "s3://bkt/kv", "request_namespaces": ["kvtier-verify-fleet"]})
     s = FleetSettings(
         server_url=_url(servers["prefill"]),

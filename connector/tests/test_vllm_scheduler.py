@@ -4,36 +4,58 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _helpers import FINGERPRINT, chunks
 
 from kvtier.keys import chunk_hashes
 from kvtier.prefix import RemotePrefix
+from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
 from kvtier.vllm import scheduler as scheduler_module
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
+from kvtier.vllm.stores import StoreLookups
 
 CHUNK, BLOCK = 256, 128
 
 
-def make(found: Sequence[str] = (), save_unfull: bool = False) -> SchedulerSide:
-    stored = set(found)
+@dataclass
+class FakeLookups:
+    """The store as the scheduler side sees it (`ChunkLookups`): the chunks the local tiers
+    hold, the remote tier's answer to every lookup (None: no remote tier), the chunks on disk;
+    the lookups counted."""
 
-    def lookup(hashes: Sequence[str]) -> int:
+    local: set[str] = field(default_factory=set)
+    remote: Future[RemotePrefix] | None = None
+    disk: set[str] = field(default_factory=set)
+    counted: list[tuple[int, int]] = field(default_factory=list)
+
+    def local_prefix(self, hashes: Sequence[str]) -> int:
         n = 0
         for h in hashes:
-            if h not in stored:
+            if h not in self.local:
                 break
             n += 1
         return n
 
-    return SchedulerSide(
-        chunk_size=CHUNK,
-        block_size=BLOCK,
-        save_unfull_chunk=save_unfull,
-        cpu_index=CpuTierIndex(0),
-        local_lookup=lookup,
-    )
+    def remote_prefix(self, hashes: Sequence[str], start: int) -> Future[RemotePrefix] | None:
+        return self.remote
+
+    def count_lookup(self, asked: int, found: int) -> None:
+        self.counted.append((asked, found))
+
+    def on_disk(self, hashes: Sequence[str]) -> list[bool]:
+        return [h in self.disk for h in hashes]
+
+
+def make(found: Sequence[str] = (), save_unfull: bool = False) -> SchedulerSide:
+    """Local tiers that hold ``found``, no remote tier."""
+    settings = SchedulerSettings(chunk_size=CHUNK, block_size=BLOCK, save_unfull_chunk=save_unfull)
+    return SchedulerSide(settings, FakeLookups(local=set(found)), CpuTierIndex(0))
 
 
 def _first_step(
@@ -118,13 +140,7 @@ def test_cpu_index_is_a_bounded_lru() -> None:
 
 def test_chunk_size_must_be_a_multiple_of_block_size() -> None:
     with pytest.raises(ValueError, match=r"chunk_size .* multiple of vLLM's block size"):
-        SchedulerSide(
-            chunk_size=200,
-            block_size=128,
-            save_unfull_chunk=False,
-            cpu_index=CpuTierIndex(0),
-            local_lookup=None,
-        )
+        SchedulerSettings(chunk_size=200, block_size=128)
 
 
 def test_request_namespace_prefixes_every_chunk_id() -> None:
@@ -165,24 +181,25 @@ def test_extra_keys_give_other_chunk_keys_from_the_first_differing_chunk() -> No
     s.num_new_matched_tokens("salted", prompt, 0, extras=[b"salt", b""])
     for name in ("plain", "salted"):
         _first_step(s, name, list(range(5)), computed=0, scheduled=600)
-    keys = {}
+    keys: dict[str, list[str]] = {}
     for spec in s.take_plan().saves:
         keys.setdefault(spec.req_id, []).append(spec.chunk_hash)
     assert keys["plain"] == chunk_hashes(prompt, CHUNK)
     assert all(a != b for a, b in zip(keys["plain"], keys["salted"], strict=True))
 
 
-def _remote(answer: Future[RemotePrefix], object_chunks: int = 1) -> SchedulerSide:
-    return SchedulerSide(
+def _remote(
+    answer: Future[RemotePrefix], object_chunks: int = 1, background_loads: bool = False
+) -> SchedulerSide:
+    """Local tiers that hold nothing, a remote tier whose lookup answers ``answer``."""
+    settings = SchedulerSettings(
         chunk_size=CHUNK,
         block_size=BLOCK,
-        save_unfull_chunk=False,
-        cpu_index=CpuTierIndex(0),
-        local_lookup=lambda hashes: 0,
-        remote_lookup=lambda hashes, start: answer,
         lookup_timeout=0.2,
         object_chunks=object_chunks,
+        background_loads=background_loads,
     )
+    return SchedulerSide(settings, FakeLookups(remote=answer), CpuTierIndex(0))
 
 
 def test_a_pending_remote_lookup_answers_not_yet_then_the_hit() -> None:
@@ -220,11 +237,13 @@ def test_a_failing_remote_lookup_is_a_miss() -> None:
 
 
 # ------------------------------------------------------------------ runs of chunks per S3 object
-def _scheduler(runs: int, remote: RemotePrefix | None = None) -> SchedulerSide:
+def _scheduler(
+    runs: int, remote: RemotePrefix | None = None, background_loads: bool = False
+) -> SchedulerSide:
     """A remote tier that holds ``remote`` (nothing: None); saves cut into ``runs``."""
     answer: Future[RemotePrefix] = Future()
     answer.set_result(remote or RemotePrefix())
-    return _remote(answer, object_chunks=runs)
+    return _remote(answer, object_chunks=runs, background_loads=background_loads)
 
 
 def _step(s: SchedulerSide, prompt: list[int], computed: int, scheduled: int) -> None:
@@ -292,8 +311,7 @@ def test_a_load_from_s3_is_planned_in_the_background_when_asked() -> None:
     it waits until the request is scheduled."""
     prompt = list(range(4 * CHUNK + 1))
     found = RemotePrefix(found=4, objects=((0, 4),), requests=1)
-    s = _scheduler(runs=4, remote=found)
-    s.background_loads = True
+    s = _scheduler(runs=4, remote=found, background_loads=True)
     assert s.num_new_matched_tokens("r", prompt, 0) == 4 * CHUNK
     assert s.loads_in_background("r")
     s.after_alloc("r", 4 * CHUNK, block_ids=list(range(100, 109)))
@@ -329,3 +347,49 @@ def test_a_chunk_whose_load_failed_is_saved_again_as_it_is_recomputed() -> None:
     assert [sv.chunk_hash for sv in s.take_plan().saves] == hashes[1:]
     s.loads_failed({999})  # a block of no request: nothing changes
     assert not s.take_plan().saves
+
+
+# ------------------------------------------------------------------ what the store is asked
+def test_hit_sources_name_the_tier_of_each_loaded_token() -> None:
+    """Chunk 0 in the worker's CPU tier (the scheduler's index of it), chunk 1 on disk, the
+    rest in the remote tier; the lookup is counted once, with what all tiers hold."""
+    prompt = list(range(4 * CHUNK + 1))
+    hashes = chunk_hashes(prompt, CHUNK)
+    answer: Future[RemotePrefix] = Future()
+    answer.set_result(RemotePrefix(found=4))
+    lookups = FakeLookups(local={hashes[1]}, disk={hashes[1]}, remote=answer)
+    cpu = CpuTierIndex(10)
+    cpu.add(hashes[0])
+    s = SchedulerSide(SchedulerSettings(chunk_size=CHUNK, block_size=BLOCK), lookups, cpu)
+    assert s.num_new_matched_tokens("r", prompt, 0) == 4 * CHUNK
+    assert s.hit_sources("r", 4 * CHUNK) == {"cpu": CHUNK, "disk": CHUNK, "s3": 2 * CHUNK}
+    assert s.num_new_matched_tokens("r", prompt, 0) == 4 * CHUNK  # looked up once
+    assert lookups.counted == [(4, 4)]
+
+
+def test_store_lookups_ask_the_scheduler_store(tmp_path: Path) -> None:
+    """The connector's `ChunkLookups`: the local tiers and the disk tier of its store, asked
+    now; no remote tier, no remote lookup. Without a store, no tier holds anything."""
+    data = chunks(3, size=1024)
+    hashes = [h for h, _ in data]
+    disk = DiskTier(str(tmp_path / "disk"), 1 << 20)
+    with TieredStore([CpuTier(1 << 20), disk], FINGERPRINT) as store:
+        for h, payload in data[:2]:
+            store.put(h, payload, CHUNK)
+        assert store.flush(10)
+        store.tiers[0].delete(store.key(hashes[0]))  # on disk only
+        store.tiers[1].delete(store.key(hashes[1]))  # in the CPU tier only
+        lookups = StoreLookups(store)
+        assert lookups.local_prefix(hashes) == 2
+        assert lookups.on_disk(hashes) == [True, False, False]
+        assert lookups.remote_prefix(hashes, 2) is None
+        lookups.count_lookup(3, 2)
+        stats = store.stats()
+        assert (stats.lookups, stats.lookup_chunks, stats.lookup_hit_chunks) == (1, 3, 2)
+        lookups.close()
+    nothing = StoreLookups(None)
+    assert nothing.local_prefix(hashes) == 0
+    assert nothing.on_disk(hashes) == [False] * 3
+    assert nothing.remote_prefix(hashes, 0) is None
+    nothing.count_lookup(3, 0)
+    nothing.close()

@@ -22,7 +22,7 @@ from kvtier.stats import StoreStats
 from kvtier.store import ChunkRef
 from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
-from kvtier.vllm.plan import LoadSpec, SaveSpec
+from kvtier.vllm.step_plan import LoadSpec, SaveSpec
 from kvtier.vllm.worker import WorkerSide
 
 PAYLOAD = b"k" * 64

@@ -35,6 +35,7 @@ from kvtier.keys import model_identity
 from kvtier.stats import StoreStats, store_deltas
 from kvtier.store import TieredStore
 from kvtier.vllm.blockcopy.copier import BlockCopier
+from kvtier.vllm.connector_stats import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports, events_enabled
 from kvtier.vllm.identity import RequestIdentity, Uncacheable
 from kvtier.vllm.layout import (
@@ -46,10 +47,9 @@ from kvtier.vllm.layout import (
     expected_layout,
     pipeline_stages,
 )
-from kvtier.vllm.plan import StepPlan
-from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSide
-from kvtier.vllm.stats import KvtierConnectorStats, KvtierPromMetrics
-from kvtier.vllm.stores import RemoteLookups, open_store
+from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
+from kvtier.vllm.step_plan import StepPlan
+from kvtier.vllm.stores import StoreLookups, open_store
 from kvtier.vllm.version import check_vllm_version
 from kvtier.vllm.worker import WorkerSide
 
@@ -142,12 +142,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stage = _stage(stages, role)
         if len(stages) > 1:
             check_stage(self.layout, stage)
+        #: vLLM blocks per chunk (the scheduler side refuses a chunk_size that is no multiple
+        #: of the block size).
+        self.blocks_per_chunk = self.cfg.chunk_size // self.layout.block_size
         #: Chunks per S3 object: several when the model's chunks are small (kvtier.format).
         #: Every stage cuts its runs as the scheduler plans them: from stage 0's payload.
         self.object_chunks = 1
         if self.cfg.remote_url:
-            blocks = self.cfg.chunk_size // self.layout.block_size
-            payload = stages[0].num_layers * blocks * self.layout.block_nbytes
+            payload = stages[0].num_layers * self.blocks_per_chunk * self.layout.block_nbytes
             self.object_chunks = chunks_per_object(payload, self.cfg.remote_chunks_per_object)
 
         def fingerprint_of(rank: int, of_stage: PipelineStage) -> str:
@@ -163,7 +165,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ) - {self.fingerprint}
         self._scheduler: SchedulerSide | None = None
         self._lookup_store: TieredStore | None = None
-        self._lookups: RemoteLookups | None = None
+        self._lookups: StoreLookups | None = None
         self._last_lookup_stats = StoreStats()
         self._worker: WorkerSide | None = None
         #: KV events for routers (kvtier.vllm.events), when vLLM's are on: the scheduler's
@@ -222,12 +224,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._lookup_store = open_store(
                 shared, self.fingerprint, "scheduler", self.object_chunks, disk_maintain=False
             )
-        store = self._lookup_store
-        if store is not None and store.remote_tier is not None:
-            self._lookups = RemoteLookups(store)
-        disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
-        blocks = cfg.chunk_size // self.layout.block_size
-        blob = self.layout.payload_nbytes(blocks) + HEADER_SIZE
+        self._lookups = StoreLookups(self._lookup_store)
+        blob = self.layout.payload_nbytes(self.blocks_per_chunk) + HEADER_SIZE
         if self._events_on:
             self._publisher = EventPublisher(
                 self.layout.block_size,
@@ -237,28 +235,22 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     name for name, on in (("disk", cfg.disk_bytes), ("s3", cfg.remote_url)) if on
                 ],
             )
-        self._scheduler = SchedulerSide(
+        settings = SchedulerSettings(
             chunk_size=cfg.chunk_size,
             block_size=self.layout.block_size,
             save_unfull_chunk=cfg.save_unfull_chunk,
             object_chunks=self.object_chunks,
             background_loads=cfg.enable_async_loading,
-            cpu_index=CpuTierIndex(cfg.cpu_bytes // blob),
-            local_lookup=store.lookup_local if store else None,
-            remote_lookup=self._lookups.submit if self._lookups else None,
             lookup_timeout=cfg.lookup_timeout_secs,
-            on_lookup=store.count_lookup if store else None,
-            disk_contains=(
-                (lambda hs: disk.contains_many([store.key(h) for h in hs]))
-                if disk is not None and store is not None
-                else None
-            ),
             admission=(
                 Admission(cfg.remote_admit_after, cfg.remote_admit_window_chunks)
                 if cfg.remote_url and cfg.remote_admit_after > 1
                 else None
             ),
             local_tiers=cfg.cpu_bytes > 0 or cfg.disk_bytes > 0,
+        )
+        self._scheduler = SchedulerSide(
+            settings, self._lookups, CpuTierIndex(cfg.cpu_bytes // blob)
         )
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -276,7 +268,6 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._events_on:
             self._reports = WorkerReports(self.cfg.namespace)
             store.report_chunks(self._reports)
-        blocks = self.cfg.chunk_size // self.layout.block_size
         cuda = bool(tensors) and tensors[0].device.type == "cuda"
         self._worker = WorkerSide(
             store,
@@ -284,8 +275,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             BlockCopier(
                 self.layout,
                 tensors,
-                max_blocks=blocks,
-                save_buffers=self._save_slots(self.layout.payload_nbytes(blocks)),
+                max_blocks=self.blocks_per_chunk,
+                save_buffers=self._save_slots(self.layout.payload_nbytes(self.blocks_per_chunk)),
                 compute_stream=_vllm_compute_stream() if cuda else None,
             ),
             self.cfg.blocking_timeout_secs,

@@ -41,7 +41,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVE
 
 from kvtier.admission import writes_to
 from kvtier.keys import ChunkKey
-from kvtier.vllm.plan import SaveSpec
+from kvtier.vllm.step_plan import SaveSpec
 
 #: kvtier tier name -> the ``medium`` of its events.
 MEDIUMS = {"cpu": "CPU", "disk": "DISK", "s3": "S3"}

@@ -39,11 +39,11 @@ Rules:
   its lookup stopped is logged (rate-limited) and counted (``prefix_divergences``):
   `divergence.PrefixHistory` says why that is a changed prompt, not an eviction.
 - The remote tier is never asked inside vLLM's scheduler loop: its lookup runs in a thread
-  (``remote_lookup`` returns a future of a `RemotePrefix`: the chunks found and the objects
-  that hold them, which the load plan passes on so each chunk is read from its object), and
-  until it answers the request is reported as "not yet" (None) so vLLM schedules the others.
-  After ``lookup_timeout`` the request goes ahead with what the local tiers hold: a slow or
-  dead remote tier delays no request by more.
+  (`ChunkLookups.remote_prefix` returns a future of a `RemotePrefix`: the chunks found and
+  the objects that hold them, which the load plan passes on so each chunk is read from its
+  object), and until it answers the request is reported as "not yet" (None) so vLLM schedules
+  the others. After ``lookup_timeout`` the request goes ahead with what the local tiers hold:
+  a slow or dead remote tier delays no request by more.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.admission import Admission, SaveTiers
 from kvtier.keys import chunk_hashes, chunk_id
@@ -62,7 +62,7 @@ from kvtier.metrics import SAMPLES
 from kvtier.prefix import RemotePrefix
 from kvtier.ratelimit import RateLimitedLog
 from kvtier.vllm.divergence import PrefixHistory
-from kvtier.vllm.plan import LoadSpec, SaveSpec, StepPlan
+from kvtier.vllm.step_plan import LoadSpec, SaveSpec, StepPlan
 
 log = logging.getLogger(__name__)
 _warnings = RateLimitedLog(log)
@@ -70,6 +70,63 @@ _warnings = RateLimitedLog(log)
 #: Seconds one call may wait for a pending remote lookup before answering "not yet" (short: the
 #: scheduler calls again at its next step, and other requests are scheduled meanwhile).
 _LOOKUP_POLL_SECS = 0.001
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """What the scheduler side plans by, fixed at start (the connector builds it once)."""
+
+    chunk_size: int
+    block_size: int
+    #: Save the trailing partial chunk too (its fully written blocks).
+    save_unfull_chunk: bool = False
+    #: Chunks per S3 object: saves are cut into runs of this many (kvtier.format).
+    object_chunks: int = 1
+    #: Loads the remote tier serves run outside the batch (vLLM's asynchronous load).
+    background_loads: bool = False
+    #: Seconds a request waits for the remote tier's lookup before going ahead without it.
+    lookup_timeout: float = 0.1
+    #: The name the remote tier's hits are reported under (`SchedulerSide.hit_sources`).
+    remote_tier: str = "s3"
+    #: Whether a local tier takes the chunks the remote tier does not admit (else they are
+    #: not saved at all).
+    local_tiers: bool = True
+    #: The remote tier's admission rule (None: every chunk is admitted). It keeps the sight
+    #: counts (the scheduler's one piece of state here); the rule itself is fixed.
+    admission: Admission | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"kvtier chunk_size ({self.chunk_size}) must be a multiple of vLLM's block size "
+                f"({self.block_size}): set chunk_size in the kvtier config or --block-size"
+            )
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+
+class ChunkLookups(Protocol):
+    """What the scheduler side asks the store (disk, S3) about chunks: all it sees of the
+    tiers beyond its own index of the worker's CPU tier (`kvtier.vllm.stores.StoreLookups`)."""
+
+    def local_prefix(self, hashes: Sequence[str]) -> int:
+        """Leading chunks of ``hashes`` that a local tier holds, asked now (0: none)."""
+        ...
+
+    def remote_prefix(self, hashes: Sequence[str], start: int) -> Future[RemotePrefix] | None:
+        """The remote tier's answer for ``hashes`` (the local tiers hold the first ``start``),
+        looked up in a thread; None without a remote tier."""
+        ...
+
+    def count_lookup(self, asked: int, found: int) -> None:
+        """Count one request's lookup: ``asked`` chunks, the leading ``found`` of them held."""
+        ...
+
+    def on_disk(self, hashes: Sequence[str]) -> list[bool]:
+        """Whether the disk tier holds each of ``hashes`` (all False without one)."""
+        ...
 
 
 @dataclass
@@ -192,45 +249,11 @@ class SchedulerSide:
     """Per-request load/save planning. Not thread-safe (vLLM's scheduler is one thread)."""
 
     def __init__(
-        self,
-        *,
-        chunk_size: int,
-        block_size: int,
-        save_unfull_chunk: bool,
-        cpu_index: CpuTierIndex,
-        local_lookup: Callable[[Sequence[str]], int] | None,
-        remote_lookup: Callable[[Sequence[str], int], Future[RemotePrefix]] | None = None,
-        object_chunks: int = 1,
-        background_loads: bool = False,
-        lookup_timeout: float = 0.1,
-        disk_contains: Callable[[Sequence[str]], list[bool]] | None = None,
-        remote_tier: str = "s3",
-        on_lookup: Callable[[int, int], None] | None = None,
-        admission: Admission | None = None,
-        local_tiers: bool = True,
+        self, settings: SchedulerSettings, lookups: ChunkLookups, cpu_index: CpuTierIndex
     ) -> None:
-        if chunk_size % block_size:
-            raise ValueError(
-                f"kvtier chunk_size ({chunk_size}) must be a multiple of vLLM's block size "
-                f"({block_size}): set chunk_size in the kvtier config or --block-size"
-            )
-        self.chunk_size = chunk_size
-        self.block_size = block_size
-        self.blocks_per_chunk = chunk_size // block_size
-        self.save_unfull_chunk = save_unfull_chunk
-        self.object_chunks = object_chunks
-        self.background_loads = background_loads
+        self.settings = settings
+        self.lookups = lookups
         self.cpu_index = cpu_index
-        self._local_lookup = local_lookup
-        self._remote_lookup = remote_lookup
-        self.lookup_timeout = lookup_timeout
-        self._on_lookup = on_lookup
-        self._disk_contains = disk_contains
-        self._remote_tier = remote_tier
-        #: The remote tier's admission rule (None: every chunk is admitted), and whether a
-        #: local tier takes the chunks it does not admit (else they are not saved at all).
-        self.admission = admission
-        self.local_tiers = local_tiers
         self._reqs: dict[str, _Request] = {}
         self._scheduled: list[str] = []
         self._plan = StepPlan()
@@ -241,7 +264,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ helpers
     def _chunk_tokens(self, st: _Request, k: int) -> int:
         """Tokens of chunk k that a stored copy covers."""
-        return min(self.chunk_size, st.prompt_len - k * self.chunk_size)
+        cs = self.settings.chunk_size
+        return min(cs, st.prompt_len - k * cs)
 
     def _state(
         self,
@@ -252,7 +276,8 @@ class SchedulerSide:
     ) -> _Request:
         st = self._reqs.get(req_id)
         if st is None:
-            hashes = chunk_hashes(prompt, self.chunk_size, self.save_unfull_chunk, extras)
+            cfg = self.settings
+            hashes = chunk_hashes(prompt, cfg.chunk_size, cfg.save_unfull_chunk, extras)
             # A request's own namespace goes into the chunk id; the store files it there.
             hashes = [chunk_id(h, namespace) for h in hashes]
             st = _Request(prompt_len=len(prompt), hashes=hashes)
@@ -266,14 +291,15 @@ class SchedulerSide:
         if st.pending is None:
             in_cpu = self.cpu_index.leading(hashes)
             local = in_cpu
-            if local < len(hashes) and self._local_lookup is not None:
-                local += self._local_lookup(hashes[local:])
-            if local == len(hashes) or self._remote_lookup is None:
+            if local < len(hashes):
+                local += self.lookups.local_prefix(hashes[local:])
+            future = None if local == len(hashes) else self.lookups.remote_prefix(hashes, local)
+            if future is None:
                 return local, in_cpu, local
-            future = self._remote_lookup(hashes, local)
             st.pending = _PendingLookup(future, local, in_cpu, time.monotonic())
         p = st.pending
-        left = self.lookup_timeout - (time.monotonic() - p.started)
+        timeout = self.settings.lookup_timeout
+        left = timeout - (time.monotonic() - p.started)
         remote = RemotePrefix(found=p.local)
         try:
             remote = p.future.result(timeout=max(0.0, min(left, _LOOKUP_POLL_SECS)))
@@ -284,7 +310,7 @@ class SchedulerSide:
             _warnings.warning(
                 "lookup_timeout",
                 f"request {req_id}: the remote tier did not answer its lookup within "
-                f"lookup_timeout_secs={self.lookup_timeout:g}: served from the local tiers "
+                f"lookup_timeout_secs={timeout:g}: served from the local tiers "
                 f"({p.local} of {len(hashes)} chunks)",
             )
         except Exception as exc:  # the store answers "none" on failure; anything else is a miss
@@ -322,32 +348,32 @@ class SchedulerSide:
             st.found_chunks, st.found_in_cpu, st.found_local = found
             self.counters.lookup_requests += 1
             self.counters.lookup_tokens += st.prompt_len
-            if self._on_lookup is not None:
-                self._on_lookup(len(st.hashes), st.found_chunks)
-            if self.admission is not None:
-                st.sights = self.admission.see(st.hashes)
+            self.lookups.count_lookup(len(st.hashes), st.found_chunks)
+            admission = self.settings.admission
+            if admission is not None:
+                st.sights = admission.see(st.hashes)
                 st.late = [
                     k
                     for k in range(st.found_local)
-                    if self.admission.admits_now(st.sights[k]) and not st.remote.holds(k)
+                    if admission.admits_now(st.sights[k]) and not st.remote.holds(k)
                 ]
             self._check_divergence(req_id, st)
         st.local_tokens = num_computed_tokens
-        found_tokens = min(st.found_chunks * self.chunk_size, st.prompt_len)
+        cs, bs = self.settings.chunk_size, self.settings.block_size
+        found_tokens = min(st.found_chunks * cs, st.prompt_len)
         # Never the whole prompt: vLLM computes at least the last token to sample from it.
-        loadable = min(found_tokens, st.prompt_len - 1) // self.block_size * self.block_size
+        loadable = min(found_tokens, st.prompt_len - 1) // bs * bs
         return max(0, loadable - num_computed_tokens)
 
     def _check_divergence(self, req_id: str, st: _Request) -> None:
-        full = st.prompt_len // self.chunk_size  # full chunks: a partial one's hash has its length
+        cs = self.settings.chunk_size
+        full = st.prompt_len // cs  # full chunks: a partial one's hash has its length
         found = min(st.found_chunks or 0, full)
         divergence = self._history.observe(st.hashes[:full], found)
         if divergence is None:
             return
         self.counters.prefix_divergences += 1
-        self._divergence_log.warning(
-            "prefix_divergence", divergence.message(req_id, self.chunk_size)
-        )
+        self._divergence_log.warning("prefix_divergence", divergence.message(req_id, cs))
 
     def missing_remotely(self, req_id: str) -> str | None:
         """The chunk id at which the remote tier, asked by the request's lookup, said the
@@ -362,9 +388,9 @@ class SchedulerSide:
         load): with ``background_loads``, when the remote tier serves some of them (local
         tiers answer within a step)."""
         st = self._reqs.get(req_id)
-        return bool(
-            self.background_loads and st is not None and (st.found_chunks or 0) > st.found_local
-        )
+        if not self.settings.background_loads or st is None:
+            return False
+        return (st.found_chunks or 0) > st.found_local
 
     def knows(self, req_id: str) -> bool:
         """Whether the request was looked up (or bypassed) already."""
@@ -415,20 +441,21 @@ class SchedulerSide:
     def _hit_sources(self, st: _Request, start: int, count: int) -> dict[str, int]:
         out: dict[str, int] = {}
         end = start + count
-        first, last = start // self.chunk_size, (end - 1) // self.chunk_size
+        cs = self.settings.chunk_size
+        first, last = start // cs, (end - 1) // cs
         on_disk: list[bool] = []
-        if self._disk_contains is not None and last >= st.found_in_cpu:
+        if last >= st.found_in_cpu:
             lo = max(first, st.found_in_cpu)
-            on_disk = [False] * (lo - first) + self._disk_contains(st.hashes[lo : last + 1])
+            on_disk = [False] * (lo - first) + self.lookups.on_disk(st.hashes[lo : last + 1])
         for k in range(first, last + 1):
-            lo = max(start, k * self.chunk_size)
-            hi = min(end, (k + 1) * self.chunk_size)
+            lo = max(start, k * cs)
+            hi = min(end, (k + 1) * cs)
             if k < st.found_in_cpu:
                 tier = "cpu"
             elif on_disk and on_disk[k - first]:
                 tier = "disk"
             else:
-                tier = self._remote_tier
+                tier = self.settings.remote_tier
             out[tier] = out.get(tier, 0) + hi - lo
         return out
 
@@ -459,7 +486,7 @@ class SchedulerSide:
         start, count = st.pending_load
         st.pending_load = None
         end = start + count
-        bs, cs = self.block_size, self.chunk_size
+        bs, cs = self.settings.block_size, self.settings.chunk_size
         for k in range(start // cs, (end - 1) // cs + 1):
             lo, hi = max(start, k * cs), min(end, (k + 1) * cs)
             stored_blocks = self._chunk_tokens(st, k) // bs
@@ -484,12 +511,13 @@ class SchedulerSide:
     def _plan_saves(self, req_id: str, st: _Request, computed: int) -> None:
         if not st.enabled:
             return
-        cs, bs, runs = self.chunk_size, self.block_size, self.object_chunks
+        cfg = self.settings
+        cs, bs, runs = cfg.chunk_size, cfg.block_size, cfg.object_chunks
         full_chunks = st.prompt_len // cs
         partial = st.prompt_len % cs
         # Only the partial chunk's fully written blocks: the last block's tail is filled later
         # by decoding, and loads never reach it (at least one prompt token is always computed).
-        with_partial = self.save_unfull_chunk and partial // bs > 0
+        with_partial = cfg.save_unfull_chunk and partial // bs > 0
         last = full_chunks + with_partial
         done = min(full_chunks, min(computed, st.prompt_len) // cs)
         if with_partial and computed >= st.prompt_len:
@@ -511,7 +539,7 @@ class SchedulerSide:
                     tiers, head = "local", k  # the remote tier's object ends before it
                 if tiers == "local":
                     self.counters.remote_unadmitted_chunks += 1
-                    if not self.local_tiers:
+                    if not cfg.local_tiers:
                         continue
                 if not self._save(
                     req_id, st, k, *self._chunk_blocks(st, k), st.hashes[head], tiers
@@ -525,18 +553,19 @@ class SchedulerSide:
         """(blocks, tokens) a saved copy of chunk k holds: all of a full chunk; of the partial
         one (save_unfull_chunk) its fully written blocks only, since the last block's tail is
         filled later by decoding and loads never reach it."""
-        cs, bs = self.chunk_size, self.block_size
+        cs, bs = self.settings.chunk_size, self.settings.block_size
         if k < st.prompt_len // cs:
-            return cs // bs, cs
+            return self.settings.blocks_per_chunk, cs
         partial = st.prompt_len % cs
         return partial // bs, partial
 
     def _admitted(self, st: _Request, k: int) -> bool:
         """Whether chunk k goes to the remote tier when saved (a chunk whose sights were not
         counted is not: unknown means no)."""
-        if self.admission is None:
+        admission = self.settings.admission
+        if admission is None:
             return True
-        return k < len(st.sights) and self.admission.admits(st.sights[k])
+        return k < len(st.sights) and admission.admits(st.sights[k])
 
     def _plan_late_admissions(self, req_id: str, st: _Request, done: int) -> None:
         """Save to the remote tier the chunks a local tier held that this request's sight
@@ -544,7 +573,7 @@ class SchedulerSide:
         token is always computed); in runs of consecutive chunks cut every ``object_chunks``."""
         ready = [k for k in st.late if k < done]
         st.late = [k for k in st.late if k >= done]
-        for run in _runs(ready, self.object_chunks):
+        for run in _runs(ready, self.settings.object_chunks):
             for k in run:
                 if not self._save(
                     req_id, st, k, *self._chunk_blocks(st, k), st.hashes[run[0]], "remote"
@@ -562,7 +591,7 @@ class SchedulerSide:
         run: str,
         tiers: SaveTiers = "all",
     ) -> bool:
-        first = k * self.blocks_per_chunk
+        first = k * self.settings.blocks_per_chunk
         blocks = st.block_ids[first : first + num_blocks]
         if len(blocks) < num_blocks:
             log.warning(
@@ -584,7 +613,7 @@ class SchedulerSide:
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """vLLM reported these blocks' loads failed: each request holding one is recomputed
         from its first chunk with a failed block, and from there its chunks are saved again."""
-        bpc = self.blocks_per_chunk
+        bpc = self.settings.blocks_per_chunk
         for st in self._reqs.values():
             found = st.found_chunks or 0
             failed = [

@@ -109,3 +109,38 @@ class RemoteLookups:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StoreLookups:
+    """The scheduler side's lookups (`kvtier.vllm.scheduler.ChunkLookups`) in its store of the
+    shared tiers: the disk tier asked now, the remote tier in threads (`RemoteLookups`). Without
+    a store (no shared tier configured, or none left to use) no tier holds anything beyond the
+    scheduler's own index of the worker's CPU tier."""
+
+    def __init__(self, store: TieredStore | None) -> None:
+        self._store = store
+        self._remote = (
+            RemoteLookups(store) if store is not None and store.remote_tier is not None else None
+        )
+        self._disk = next((t for t in store.tiers if t.name == "disk"), None) if store else None
+
+    def local_prefix(self, hashes: Sequence[str]) -> int:
+        return self._store.lookup_local(hashes) if self._store is not None else 0
+
+    def remote_prefix(self, hashes: Sequence[str], start: int) -> Future[RemotePrefix] | None:
+        return self._remote.submit(hashes, start) if self._remote is not None else None
+
+    def count_lookup(self, asked: int, found: int) -> None:
+        if self._store is not None:
+            self._store.count_lookup(asked, found)
+
+    def on_disk(self, hashes: Sequence[str]) -> list[bool]:
+        store, disk = self._store, self._disk
+        if store is None or disk is None:
+            return [False] * len(hashes)
+        return disk.contains_many([store.key(h) for h in hashes])
+
+    def close(self) -> None:
+        """Stop the remote lookups' threads (the store is its opener's to close)."""
+        if self._remote is not None:
+            self._remote.close()

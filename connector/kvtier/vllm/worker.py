@@ -43,7 +43,7 @@ from kvtier.store import ChunkRef
 from kvtier.vllm.blockcopy.copier import BlockCopier
 from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
 from kvtier.vllm.layout import LayoutError
-from kvtier.vllm.plan import LoadSpec, SaveSpec
+from kvtier.vllm.step_plan import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 #: Fetch threads left waiting on a tier after their load timed out, at most (see __init__).

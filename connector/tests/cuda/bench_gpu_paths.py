@@ -169,7 +169,7 @@ def stream_order(iters: int, sleep_cycles: int) -> dict[str, Any]:
     import torch
 
     from kvtier.vllm.blockcopy.copier import BlockCopier
-    from kvtier.vllm.plan import LoadSpec
+    from kvtier.vllm.step_plan import LoadSpec
     from kvtier.vllm.worker import WorkerSide
 
     out: dict[str, Any] = {"iters": iters, "sleep_cycles": sleep_cycles}
@@ -258,7 +258,7 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
     import torch
 
     from kvtier.vllm.blockcopy.copier import BlockCopier
-    from kvtier.vllm.plan import SaveSpec
+    from kvtier.vllm.step_plan import SaveSpec
     from kvtier.vllm.worker import WorkerSide
 
     out: dict[str, Any] = {}

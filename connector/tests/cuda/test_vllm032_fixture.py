@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.vllm.server import DEFAULT_VLLM_PYTHON
+from kvtier_tools.server import DEFAULT_VLLM_PYTHON
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent

@@ -42,13 +42,13 @@ from typing import Any
 from kvtier.config import load_config
 from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
 from kvtier.keys import ChunkKey, chunk_hashes
-from kvtier.verify.settings import Settings
-from kvtier.vllm.server import (
+from kvtier_tools.server import (
     DEFAULT_VLLM_PYTHON,
     VllmServer,
     kvtier_transfer_config,
     metric_sum,
 )
+from kvtier_tools.verify.settings import Settings
 
 VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
 CHUNK = 256

@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 
 from _e2e import free_port
 
-from kvtier.completions import Completion, CompletionError
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.completions import Completion, CompletionError
+from kvtier_tools.server import VllmServer
 
 
 class Haproxy:

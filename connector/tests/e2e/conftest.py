@@ -14,7 +14,7 @@ import pytest
 from _e2e import VLLM_PYTHON, Counters, S3Target, Servers, field_of
 
 from kvtier.config import load_config
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.server import VllmServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,7 +48,7 @@ def tiny_model(e2e_root: Path) -> str:
         pytest.fail(f"no vLLM venv at {VLLM_PYTHON}: run `make vllm-venv`")
     out = e2e_root / "tiny-model"
     done = subprocess.run(
-        [VLLM_PYTHON, "-m", "kvtier.cli", "model", "make-tiny", str(out)],
+        [VLLM_PYTHON, "-m", "kvtier_tools.cli", "model", "make-tiny", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from _e2e import VLLM_PYTHON, Counters, Servers, free_port
 
-from kvtier.cli import main
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.cli import main
+from kvtier_tools.server import VllmServer
 
 SMOKE_SCENARIOS = {"vllm-prefix", "kvtier-cpu"}
 

@@ -31,13 +31,13 @@ import pytest
 from _e2e import S3Target, Servers, prompt
 from _s3 import bucket_quota_with_room
 
-from kvtier.bench.compare_sweep import measure_c_round
-from kvtier.bench.load import REQUEST_ERRORS, warm_up
-from kvtier.bench.presets import FULL, MixedLoad
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
-from kvtier.plan.simulate import requests_from_prompts, run
-from kvtier.vllm.server import metric_sum
+from kvtier_tools.bench.compare_sweep import measure_c_round
+from kvtier_tools.bench.load import REQUEST_ERRORS, warm_up
+from kvtier_tools.bench.presets import FULL, MixedLoad
+from kvtier_tools.plan.simulate import requests_from_prompts, run
+from kvtier_tools.server import metric_sum
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("KVTIER_BENCH_SHARED_TIER"), reason="a benchmark: run by hand"

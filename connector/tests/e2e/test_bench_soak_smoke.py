@@ -10,7 +10,7 @@ from pathlib import Path
 
 from _e2e import S3Target, Servers
 
-from kvtier.cli import main
+from kvtier_tools.cli import main
 
 NAMESPACE = "kvtier-soak"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _e2e import OUTPUT_TOKENS, S3Target, Servers, prompt
 
-from kvtier.vllm.server import ServerError
+from kvtier_tools.server import ServerError
 
 DOC = prompt(3_000, seed=31)
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from _e2e import CHUNK, VLLM_PYTHON, Counters, Servers
 
-from kvtier.cli import main
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.cli import main
+from kvtier_tools.server import VllmServer
 
 LICENSE = Path("/usr/share/common-licenses/GPL-2")
 STAMP = "Generated 2026-12-03T10:00:00Z\n"
@@ -74,7 +74,16 @@ def test_explain_renders_through_the_server_and_sees_its_disk_chunks(
     # Offline rendering from the model directory (through transformers, as vLLM renders: run
     # from the vLLM venv) agrees with the server's.
     done = subprocess.run(
-        [VLLM_PYTHON, "-m", "kvtier.cli", "explain", "--model-dir", tiny_model, *paths, "--json"],
+        [
+            VLLM_PYTHON,
+            "-m",
+            "kvtier_tools.cli",
+            "explain",
+            "--model-dir",
+            tiny_model,
+            *paths,
+            "--json",
+        ],
         capture_output=True,
         text=True,
         check=False,

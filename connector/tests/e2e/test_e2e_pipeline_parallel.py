@@ -27,7 +27,7 @@ from _e2e import (
     prompt,
 )
 
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.server import VllmServer
 
 STAGES = 2
 DOCS = [prompt(16 * CHUNK + 1, seed=600 + i) for i in range(2)]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_tokens, prompt
 
-from kvtier.vllm.server import metric_sum
+from kvtier_tools.server import metric_sum
 
 MIB = 1 << 20
 CAP = 10 * MIB

@@ -21,7 +21,7 @@ from _e2e import (
     prompt,
 )
 
-from kvtier.vllm.server import Completion, VllmServer
+from kvtier_tools.server import Completion, VllmServer
 
 LONG = prompt(12_000, seed=1)
 OVER_BUDGET = prompt(3 * BATCH_BUDGET + 300, seed=2)

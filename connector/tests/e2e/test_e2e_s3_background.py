@@ -20,7 +20,7 @@ from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_
 
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
-from kvtier.vllm.server import Completion, VllmServer
+from kvtier_tools.server import Completion, VllmServer
 
 DOC = prompt(6_000, seed=61)
 DAMAGED = prompt(4_000, seed=62)

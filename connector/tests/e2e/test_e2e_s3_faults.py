@@ -24,7 +24,7 @@ from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_
 
 from kvtier.format import HEADER_SIZE
 from kvtier.keys import chunk_hashes
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.server import VllmServer
 
 DELETED = prompt(4_000, seed=11)
 CORRUPTED = prompt(4_000, seed=12)

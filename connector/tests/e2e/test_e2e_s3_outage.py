@@ -31,8 +31,8 @@ from _faults import (
     stream,
 )
 
-from kvtier.completions import Completion
-from kvtier.vllm.server import VllmServer, metric_sum
+from kvtier_tools.completions import Completion
+from kvtier_tools.server import VllmServer, metric_sum
 
 #: Fast reactions for a test: the breaker opens after 3 failures, probes again after 1 s.
 OUTAGE = {

@@ -13,8 +13,8 @@ from pathlib import Path
 from _e2e import CHUNK, OUTPUT_TOKENS, Counters, S3Target, Servers, assert_same_tokens, prompt
 from _monitoring import SERIES_ON_FIRST_EVENT, monitored_selectors
 
-from kvtier.completions import Completion, stream_completion
-from kvtier.vllm.server import VllmServer, parse_metrics
+from kvtier_tools.completions import Completion, stream_completion
+from kvtier_tools.server import VllmServer, parse_metrics
 
 SHARED = prompt(6_000, seed=21)
 #: One token past a chunk boundary: vLLM's own prefix cache then hands back whole chunks (it
@@ -80,15 +80,15 @@ def _every_series_monitoring_reads_is_served(server: VllmServer) -> None:
     only from its first event on (tier errors, by cause) is at least declared."""
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    samples = [(key.partition("{")[0], key) for key in parse_metrics(text)]
+    samples = parse_metrics(text)
     missing = []
     for where, selector in monitored_selectors():
         if selector.metric in SERIES_ON_FIRST_EVENT:
             present = f"# HELP {selector.metric} " in text
         else:
             present = any(
-                name == selector.metric and all(f'{k}="{v}"' in key for k, v in selector.equal)
-                for name, key in samples
+                s.name == selector.metric and all(s.labels.get(k) == v for k, v in selector.equal)
+                for s in samples
             )
         if not present:
             missing.append(f"{where}: {selector.metric}{dict(selector.equal)}")

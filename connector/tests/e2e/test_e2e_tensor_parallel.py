@@ -33,10 +33,10 @@ from _e2e import (
     verify_settings,
 )
 
-from kvtier.verify.checks import Step
-from kvtier.verify.report import first_failure
-from kvtier.verify.steps import run
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.server import VllmServer
+from kvtier_tools.verify.checks import Step
+from kvtier_tools.verify.report import first_failure
+from kvtier_tools.verify.steps import run
 
 RANKS = 2
 DOCS = [prompt(16 * CHUNK + 1, seed=500 + i) for i in range(3)]

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from _e2e import VERIFY_NAMESPACE, S3Target, Servers, prompt, verify_settings
 
-from kvtier.admin.chunks import count_chunks
 from kvtier.config import load_config
-from kvtier.verify.checks import Step
-from kvtier.verify.report import first_failure, markdown, report
-from kvtier.verify.settings import Settings
-from kvtier.verify.steps import run
-from kvtier.vllm.server import VllmServer
+from kvtier_tools.admin.chunks import count_chunks
+from kvtier_tools.server import VllmServer
+from kvtier_tools.verify.checks import Step
+from kvtier_tools.verify.report import first_failure, markdown, report
+from kvtier_tools.verify.settings import Settings
+from kvtier_tools.verify.steps import run
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from vllm.v1.request import Request
 
 from kvtier.vllm import events as events_module
 from kvtier.vllm.events import ChunkEvents, EventPublisher, WorkerReports
-from kvtier.vllm.plan import SaveSpec
+from kvtier.vllm.step_plan import SaveSpec
 
 
 def test_a_stored_chunk_names_vllms_own_blocks() -> None:

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 from vllm.distributed import kv_events as vllm_events
 
-from kvtier.cli import main
-from kvtier.kvevents import wire
+from kvtier_tools.cli import main
+from kvtier_tools.kvevents import wire
 
 PAIRS = [
     (vllm_events.KVEventBatch, wire.KVEventBatch),

@@ -126,7 +126,7 @@ def test_status_as_the_user_shows_the_active_profile(host: Any) -> None:
     # location (run as root: the checkout's venv is not readable by the serving user).
     status = host.run(
         f"env -u XDG_CONFIG_HOME -u KVTIER_GATEWAY_DIR HOME={_home(host)} "
-        f"{REPO}/.venv/bin/python -m kvtier.gateway status"
+        f"{REPO}/.venv/bin/python -m kvtier_tools.gateway status"
     )
     assert status.rc == 0, status.stderr
     assert f"active profile: {PROFILE}" in status.stdout

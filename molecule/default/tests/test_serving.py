@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.model import sample_text
-from kvtier.vllm.server import metric_sum, parse_metrics
+from kvtier_tools.model import sample_text
+from kvtier_tools.server import Sample, metric_sum, parse_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 LOCAL_VARS = REPO / "inventories" / "local" / "group_vars" / "all"
@@ -38,6 +38,8 @@ VARS = _vars()
 USER = VARS["kvtier_user_name"]
 SERVICE = VARS["vllm_server_service_name"]
 VENV = VARS["vllm_server_venv"].replace("{{ vllm_server_version }}", VARS["vllm_server_version"])
+#: The operator tools' venv (the `kvtier` command); the serving venv holds the runtime only.
+TOOLS = VARS["vllm_server_tools_venv"].replace("{{ vllm_server_venv }}", VENV)
 BASE = f"http://{VARS['vllm_server_host']}:{VARS['vllm_server_port']}"
 MODEL = VARS["vllm_server_served_model_name"]
 KEY_FILE = VARS["gateway_profile_api_key_file"].replace(
@@ -83,7 +85,7 @@ def _request(
         return err.code, err.read()
 
 
-def _metrics() -> dict[str, float]:
+def _metrics() -> list[Sample]:
     status, body = _request("/metrics")
     assert status == 200
     return parse_metrics(body.decode())
@@ -133,6 +135,21 @@ def test_api_key_reaches_vllm_through_the_environment_only(host: Any) -> None:
             assert key not in definition.content_string
 
 
+def test_serving_venv_holds_the_runtime_only_and_the_tools_venv_the_tools(host: Any) -> None:
+    probe = (
+        "import importlib.metadata as m, importlib.util as u; "
+        "print(u.find_spec('kvtier') is not None, u.find_spec('kvtier_tools') is not None, "
+        "[r for r in m.requires('kvtier') or [] if 'extra' not in r])"
+    )
+    serving = host.run(f'{VENV}/bin/python -c "{probe}"')
+    assert serving.rc == 0, serving.stderr
+    runtime, tools, requires = serving.stdout.split(" ", 2)
+    assert (runtime, tools) == ("True", "False"), serving.stdout
+    assert "tomli" not in requires, f"the runtime requires a tool's dependency: {requires}"
+    assert not host.file(f"{VENV}/bin/kvtier").exists
+    assert host.run(f"{TOOLS}/bin/kvtier --help").rc == 0
+
+
 def test_health_answers(host: Any) -> None:
     assert _request("/health")[0] == 200
 
@@ -156,13 +173,13 @@ def test_kvtier_config_comes_from_the_inventory(host: Any) -> None:
 
 
 def test_gateway_test_passes_as_the_serving_user(host: Any) -> None:
-    result = _as_user(host, f"{VENV}/bin/kvtier gateway test")
+    result = _as_user(host, f"{TOOLS}/bin/kvtier gateway test")
     assert result.rc == 0, result.stdout + result.stderr
     assert f"model '{MODEL}' answered" in result.stdout
 
 
 def test_kvtier_doctor_passes_as_the_serving_user(host: Any) -> None:
-    result = _as_user(host, f"{VENV}/bin/kvtier doctor --config {CONFIG_FILE}")
+    result = _as_user(host, f"{TOOLS}/bin/kvtier doctor --config {CONFIG_FILE}")
     assert result.rc == 0, result.stdout + result.stderr
     assert " 0 failed" in result.stdout
 
@@ -187,7 +204,7 @@ def _complete(key: str, prompt: str | list[int]) -> tuple[str, int]:
 
 def _chunks(host: Any) -> dict[str, int]:
     """Chunks on the disk tier and objects on S3 (each a run of up to OBJECT_CHUNKS chunks)."""
-    listing = _as_user(host, f"{VENV}/bin/kvtier ls --config {CONFIG_FILE}")
+    listing = _as_user(host, f"{TOOLS}/bin/kvtier ls --config {CONFIG_FILE}")
     assert listing.rc == 0, listing.stderr
     return {
         m[0]: int(m[1])
@@ -281,7 +298,7 @@ def test_kill_9_under_load_the_server_comes_back_and_its_chunks_still_hit(host: 
     s3_text, tokens = _complete(key, only_s3)
     _wait_stored(host, before, tokens // CHUNK)
     # Leave this prompt's chunks in S3 only: the restarted server's disk tier rescans its files.
-    purge = _as_user(host, f"{VENV}/bin/kvtier purge --config {CONFIG_FILE} --tier disk --yes")
+    purge = _as_user(host, f"{TOOLS}/bin/kvtier purge --config {CONFIG_FILE} --tier disk --yes")
     assert purge.rc == 0, purge.stdout + purge.stderr
     before = _chunks(host)
     disk_text, disk_tokens = _complete(key, on_disk)

@@ -19,10 +19,10 @@ from typing import Any
 
 import testinfra
 
-from kvtier.completions import Completion, CompletionError, stream_completion
 from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
 from kvtier.keys import chunk_hashes
-from kvtier.vllm.server import metric_sum, parse_metrics
+from kvtier_tools.completions import Completion, CompletionError, stream_completion
+from kvtier_tools.server import metric_sum, parse_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIO_INVENTORY = REPO / "molecule" / "fleet" / "inventory"

@@ -20,7 +20,7 @@ from _fleet import (
     supervisorctl,
 )
 
-from kvtier.completions import Completion
+from kvtier_tools.completions import Completion
 
 NAMESPACE = "kvtier-verify-fleet"
 DOC_TOKENS = 4096
