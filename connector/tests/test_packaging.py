@@ -26,8 +26,9 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_runtime_imports_nothing_of_the_tools() -> None:
-    files = sorted(RUNTIME.rglob("*.py"))
-    assert len(files) > 30
+    # With the CUDA tests and benchmarks: the GPU machine runs them with the runtime alone.
+    files = sorted(RUNTIME.rglob("*.py")) + sorted((REPO / "connector/tests/cuda").glob("*.py"))
+    assert len(files) > 40
     offenders = {
         str(path.relative_to(REPO)): sorted(
             n for n in _imports(path) if n.startswith("kvtier_tools")

