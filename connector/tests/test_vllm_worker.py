@@ -55,6 +55,7 @@ class Copier:
         self.cond = threading.Condition()
         self.bufs: list[Lent] = []
         self.fences = 0
+        self.many_calls: list[list[str]] = []  # groups of each gather_many_to_host call
         self.hold = False  # save buffers' copies land only when a test sets them
         self.copies_in_background = True  # as on CUDA
         self.slot_requests = 0
@@ -71,6 +72,29 @@ class Copier:
         buf = Lent(self)
         self.bufs.append(buf)
         return buf
+
+    def gather_many_to_host(
+        self,
+        block_id_lists: Sequence[Sequence[int]],
+        wait_secs: float | None = None,
+        groups: Sequence[str] | None = None,
+    ) -> list[Lent | None]:
+        """As BlockCopier's (kvtier.vllm.blockcopy.copier): a chunk with no slot, and its
+        group's later chunks, are None."""
+        self.many_calls.append(list(groups or []))
+        out: list[Lent | None] = []
+        busy: set[str | None] = set()
+        for i, ids in enumerate(block_id_lists):
+            group = groups[i] if groups is not None else None
+            if group in busy:
+                out.append(None)
+                continue
+            try:
+                out.append(self.gather_to_host(ids, wait_secs))
+            except SlotsBusy:
+                busy.add(group)
+                out.append(None)
+        return out
 
     def fence(self) -> str:
         self.fences += 1
@@ -324,4 +348,41 @@ def test_a_late_admission_of_a_chunk_that_failed_to_load_in_the_step_is_not_save
     assert store.put_tiers == ["remote", "local"]
     assert worker.take_stats()["save_dropped_chunks"] == 1
     assert worker.take_failed_blocks() == {2, 3}
+    worker.close(1)
+
+
+def test_a_step_s_saves_are_one_copier_call_and_a_busy_request_does_not_drop_the_others() -> None:
+    """vLLM's thread asks the copier once per step (on CUDA: one ids upload, one launch); when
+    request a's chunk gets no slot, a's later chunks are dropped, b's still get one if free."""
+    copier, store = Copier(slots=3), Store({})
+    worker = WorkerSide(store, copier, timeout_secs=5, save_wait_secs=0.05)  # type: ignore[arg-type]
+    copier.hold = True  # nothing comes back during the step
+    worker.save([_save("a", 0), _save("a", 1), _save("a", 2), _save("a", 3), _save("b", 4)])
+    assert copier.many_calls == [["a", "a", "a", "a", "b"]]
+    assert worker.take_stats()["save_dropped_chunks"] == 2  # a's 4th (no slot) and b's
+    for buf in copier.bufs:
+        buf.landed.set()
+    assert _until(lambda: len(getattr(store, "put", [])) == 3)
+    assert [h for h, _ in store.put] == ["s0", "s1", "s2"]
+    for done in store.on_done:
+        done()
+    copier.hold = False
+    worker.save([_save("a", 5), _save("b", 6), _save("b", 7)])
+    assert _until(lambda: len(store.put) == 6)
+    assert [h for h, _ in store.put][3:] == ["s5", "s6", "s7"]
+    assert "save_dropped_chunks" not in worker.take_stats()
+    worker.close(1)
+
+
+def test_a_failed_gather_fails_the_step_s_saves_and_counts_them() -> None:
+    class Broken(Copier):
+        def gather_many_to_host(self, *args: Any, **kwargs: Any) -> list[Lent | None]:
+            raise RuntimeError("device lost")
+
+    copier, store = Broken(), Store({})
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    worker.save([_save("a", 0), _save("b", 1)])  # no exception into vLLM
+    stats = worker.take_stats()
+    assert stats["save_failed_chunks"] == 2 and "save_dropped_chunks" not in stats
+    assert worker._saving == {}
     worker.close(1)

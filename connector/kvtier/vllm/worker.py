@@ -7,9 +7,11 @@
   the background (``enable_async_loading``: the request waits outside the batch, vLLM's
   asynchronous load) run in a thread while the steps of the other requests go on; the request
   is reported done through ``take_finished``, with its failed blocks, and then scheduled.
-- Saves start in ``wait_for_save`` after the forward pass. On CUDA it only queues each
-  chunk's copy out of its blocks into a slot of the pinned save pool (ordered before any later
-  kernel can overwrite the blocks) and hands the buffers to the save thread, which waits for
+- Saves start in ``wait_for_save`` after the forward pass. On CUDA it only queues the copies
+  of all the step's chunks out of their blocks into slots of the pinned save pool, in one call
+  (one upload of the block ids, one gather launch per staging buffer's worth of chunks, ordered
+  before any later kernel can overwrite the blocks) and hands the buffers to the save thread,
+  which waits for
   the copies and gives each run (one S3 object) to the store: it checksums the slot, copies it
   into the CPU tier and writes the slower tiers in the background from the slot itself; the
   slot goes back to the pool once the last write has ended. When no save slot comes free
@@ -41,7 +43,7 @@ from kvtier.metrics import SAMPLES
 from kvtier.stats import StoreStats, store_deltas, without_fill
 from kvtier.store import ChunkRef
 from kvtier.vllm.blockcopy.copier import BlockCopier
-from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer
 from kvtier.vllm.layout import LayoutError
 from kvtier.vllm.step_plan import LoadSpec, SaveSpec
 
@@ -287,32 +289,41 @@ class WorkerSide:
         if not specs:
             return
         start = time.perf_counter()
-        queued: list[tuple[SaveSpec, HostBuffer]] = []
-        given_up: set[str] = set()  # requests whose later chunks of this step are not saved
         with self._lock:
             failed_loads = set(self._failed_blocks)
+        wanted: list[SaveSpec] = []
         for spec in specs:
-            if spec.req_id in given_up:
-                self._count("save_dropped_chunks")
-                continue
             if spec.tiers == "remote" and not failed_loads.isdisjoint(spec.block_ids):
                 # A late admission of a chunk whose load failed in this step: its blocks do not
                 # hold it (vLLM recomputes them, and the scheduler saves them as computed).
                 self._count("save_dropped_chunks")
                 continue
-            try:
-                buf = self.copier.gather_to_host(spec.block_ids, self.save_wait_secs)
-            except SlotsBusy:
-                given_up.add(spec.req_id)
-                self._count("save_dropped_chunks")
-            except Exception as exc:  # never fail the step over a cache write
-                given_up.add(spec.req_id)
-                log.warning(
-                    "kvtier: cannot copy chunk %s out: %s", spec.chunk_hash, exc, exc_info=True
-                )
-                self._count("save_failed_chunks")
-            else:
+            wanted.append(spec)
+        # One call for the step: on CUDA one upload of the ids, one gather launch per staging
+        # buffer's worth of chunks; a request whose chunk gets no slot within save_wait_secs
+        # has its later chunks of the step not saved (None).
+        try:
+            bufs = self.copier.gather_many_to_host(
+                [spec.block_ids for spec in wanted],
+                self.save_wait_secs,
+                [spec.req_id for spec in wanted],
+            )
+        except Exception as exc:  # never fail the step over a cache write
+            log.warning("kvtier: cannot copy %d chunks out: %s", len(wanted), exc, exc_info=True)
+            self._count("save_failed_chunks", len(wanted))
+            bufs = [None] * len(wanted)
+            failed = True
+        else:
+            failed = False
+        queued: list[tuple[SaveSpec, HostBuffer]] = []
+        given_up: set[str] = set()  # requests whose later chunks of this step are not saved
+        for spec, buf in zip(wanted, bufs, strict=True):
+            if buf is not None:
                 queued.append((spec, buf))
+                continue
+            given_up.add(spec.req_id)
+            if not failed:
+                self._count("save_dropped_chunks")
         if given_up:
             log.info(
                 "kvtier: %d chunks of this step not saved: no pinned save buffer came free "

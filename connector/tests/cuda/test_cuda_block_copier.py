@@ -292,3 +292,133 @@ def test_an_fp8_kv_cache_round_trips_bit_exact() -> None:
     BlockCopier(layout, dst).scatter(BlockCopier(layout, src).gather(ids), 3, 0, target)
     torch.cuda.synchronize()
     _assert_moved(src, ids, dst, before, target)
+
+
+# ---------------------------------------------------------------- a step's saves in one call
+@pytest.mark.parametrize("staging_slots", [1, 3, None])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("backend", "cache_layout"), CASES)
+def test_gather_many_round_trips_chunks_of_any_length_bit_exact(
+    mode: str, backend: str, cache_layout: str, staging_slots: int | None
+) -> None:
+    """A step's chunks (1 to 16 blocks each) in one call: each slot holds exactly its chunk's
+    payload, also with the slots scattered over the pool (runs of adjacent slots and gaps) and
+    with fewer staging places than chunks (several launches)."""
+    layout, src = _caches(cache_layout, backend)
+    slot = layout.payload_nbytes(16)
+    copier = BlockCopier(
+        layout,
+        src,
+        max_blocks=16,
+        save_buffers=14,
+        cuda_mode=mode,
+        cuda_staging_bytes=None if staging_slots is None else staging_slots * slot,
+    )
+    rng = random.Random(f"{backend}{cache_layout}{mode}{staging_slots}")
+    # Hold every third slot so that the call's slots come in runs with gaps between them.
+    held = [copier.gather_to_host([0]) for _ in range(14)]
+    for k, buf in enumerate(held):
+        if k % 3:
+            buf.release()
+    held = [b for k, b in enumerate(held) if not k % 3]
+    chunks = [rng.sample(range(NUM_BLOCKS), rng.choice([1, 5, 16, 16])) for _ in range(9)]
+    bufs = copier.gather_many_to_host(chunks, 1.0)
+    assert all(b is not None for b in bufs)
+    assert len({b.slot for b in bufs}) == 9
+    for ids, buf in zip(chunks, bufs, strict=True):
+        assert len(buf) == layout.payload_nbytes(len(ids))
+        assert bytes(buf.view()) == _reference(src, ids, layout.variant)
+    # Back through a scatter into another cache: bit-exact.
+    _, dst = _caches(cache_layout, backend)
+    back = BlockCopier(layout, dst, max_blocks=16, cuda_mode=mode)
+    for ids, buf in zip(chunks, bufs, strict=True):
+        target = rng.sample(range(NUM_BLOCKS), len(ids))
+        back.scatter(buf, len(ids), 0, target)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(_bits(s[ids]), _bits(d[target]))
+    for buf in [*bufs, *held]:
+        buf.release()
+
+
+def test_gather_many_reuses_the_slots_step_after_step() -> None:
+    layout, src = _caches("LBHNC")
+    copier = BlockCopier(layout, src, max_blocks=16, save_buffers=8)
+    pool = copier._cuda.save_pool
+    rng = random.Random(21)
+    for step in range(25):
+        chunks = [
+            rng.sample(range(NUM_BLOCKS), rng.randint(1, 16)) for _ in range(rng.randint(1, 8))
+        ]
+        bufs = copier.gather_many_to_host(chunks, 1.0)
+        order = list(range(len(bufs)))
+        rng.shuffle(order)  # the store gives them back in any order
+        for i in order:
+            assert bytes(bufs[i].view()) == _reference(src, chunks[i], layout.variant), step
+            bufs[i].release()
+    assert copier._cuda.save_pool is pool and len(pool._free) == 8
+
+
+def test_gather_many_with_no_slot_drops_the_rest_of_that_group_only() -> None:
+    layout, src = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=4, save_buffers=3)
+    chunks = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+    groups = ["a", "a", "a", "a", "b", "a"]
+    bufs = copier.gather_many_to_host(chunks, 0.05, groups)
+    assert [b is not None for b in bufs] == [True, True, True, False, False, False]
+    for ids, buf in zip(chunks, bufs, strict=True):
+        if buf is not None:
+            assert bytes(buf.view()) == _reference(src, ids, layout.variant)
+    bufs[0].release()
+    # One slot free: "a" gets it; "b" waits its bound and gets none; "c" neither.
+    again = copier.gather_many_to_host([[1], [2], [3]], 0.05, ["a", "b", "c"])
+    assert [b is not None for b in again] == [True, False, False]
+    again[0].release()
+    # No groups: the call's chunks are one group, the first without a slot ends it.
+    bufs[1].release()
+    one = copier.gather_many_to_host([[1], [2], [3], [4]], 0.05)
+    assert [b is not None for b in one] == [True, True, False, False]
+    for buf in [one[0], one[1], bufs[2]]:
+        buf.release()
+    assert copier.gather_many_to_host([], 0.05) == []
+    assert len(copier._cuda.save_pool._free) == 3
+
+
+def test_gather_many_waits_for_the_compute_stream_and_guards_the_blocks() -> None:
+    """Ordered as gather_to_host: after the work vLLM queued on its own compute stream (the
+    blocks' new values), and before that stream's later kernels (which overwrite them)."""
+    layout, src = _caches("LBNHC")
+    compute = torch.cuda.Stream()
+    slot = layout.payload_nbytes(8)
+    copier = BlockCopier(
+        layout,
+        src,
+        max_blocks=8,
+        save_buffers=8,
+        compute_stream=lambda: compute,
+        cuda_staging_bytes=2 * slot,  # several launches: every one before the overwrite
+    )
+    rng = random.Random(5)
+    chunks = [rng.sample(range(NUM_BLOCKS), rng.randint(1, 8)) for _ in range(6)]
+    new = [torch.randint_like(_bits(t), -(2**15), 2**15) for t in src]
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(100_000_000)  # the compute stream is busy for a while ...
+        for t, n in zip(src, new, strict=True):
+            _bits(t).copy_(n)  # ... then writes the blocks: the gathers must see these
+    bufs = copier.gather_many_to_host(chunks, 1.0)
+    with torch.cuda.stream(compute):
+        for t in src:
+            t.zero_()  # queued after the gathers: must not reach the payloads
+    fresh = [n.view(torch.bfloat16) for n in new]
+    for ids, buf in zip(chunks, bufs, strict=True):
+        assert bytes(buf.view()) == _reference(fresh, ids, layout.variant)
+        buf.release()
+
+
+def test_gather_many_of_an_fp8_kv_cache_is_bit_exact() -> None:
+    layout, src = _caches("LBNHC", dtype=torch.uint8)
+    copier = BlockCopier(layout, src, max_blocks=4, save_buffers=4)
+    chunks = [[2, 4, 6], [1], [8, 9, 10, 11]]
+    bufs = copier.gather_many_to_host(chunks, 1.0)
+    for ids, buf in zip(chunks, bufs, strict=True):
+        assert bytes(buf.view()) == _reference(src, ids, layout.variant)
+        buf.release()

@@ -54,6 +54,24 @@ for name in vk.KV_CACHE_LAYOUTS:
     for s, d in zip(src, dst):
         assert torch.equal(s[[0, 9, 3]].view(torch.int16), d[[2, 4, 6]].view(torch.int16)), name
         assert not d[[0, 1, 3, 5, 7, 8, 9]].view(torch.int16).any(), name
+    # Several chunks into one staging buffer (a step's saves): chunk c at place c of slots
+    # of 4 blocks, each block at its chunk's offset, layers `blocks` pages apart.
+    chunks = [[7, 0, 9], [3], [5, 1, 8, 2]]
+    pw, slot = g.page_words, 3 * 4 * g.page_words
+    flat = [b for c in chunks for b in c]
+    base = [k * slot + j * pw for k, c in enumerate(chunks) for j in range(len(c))]
+    stride = [len(c) * pw for c in chunks for _ in c]
+    staging = torch.zeros(len(chunks) * slot, dtype=torch.int32)
+    tc.launch_gather_many(kv, staging, torch.tensor(g.layer_offsets), torch.tensor(flat),
+                          torch.tensor(base), torch.tensor(stride), num_layers=3,
+                          num_ids=len(flat), geometry=g)
+    raw = staging.view(torch.uint8).numpy().tobytes()
+    for k, c in enumerate(chunks):
+        ref = b"".join((t[c] if variant == "HND" else t[c].permute(0, 2, 1, 3))
+                       .contiguous().view(torch.uint8).numpy().tobytes() for t in src)
+        at = k * slot * 4
+        assert raw[at : at + len(ref)] == ref, (name, k)
+        assert not any(raw[at + len(ref) : at + slot * 4]), (name, k)
 print("ok", len(vk.KV_CACHE_LAYOUTS))
 """
 

@@ -8,10 +8,10 @@ kvtier.vllm.blockcopy.cuda (imported only then: the CPU build never imports CUDA
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload, SlotsBusy
 from kvtier.vllm.layout import KVLayout, LayoutError
 
 
@@ -37,6 +37,7 @@ class BlockCopier:
         save_buffers: int | None = None,
         cuda_mode: str = "auto",
         compute_stream: Callable[[], Any] | None = None,
+        cuda_staging_bytes: int | None = None,
     ) -> None:
         self.layout = layout
         self.tensors = list(tensors)
@@ -52,6 +53,7 @@ class BlockCopier:
                 save_buffers=save_buffers,
                 mode=cuda_mode,
                 compute_stream=compute_stream,
+                staging_bytes=cuda_staging_bytes,
             )
 
     @property
@@ -96,6 +98,42 @@ class BlockCopier:
             buf: HostBuffer = self._cuda.gather_to_host(block_ids, wait_secs)
             return buf
         return HostBuffer(memoryview(self._gather_cpu(block_ids).numpy()).cast("B"))
+
+    def gather_many_to_host(
+        self,
+        block_id_lists: Sequence[Sequence[int]],
+        wait_secs: float | None = None,
+        groups: Sequence[Hashable] | None = None,
+    ) -> list[HostBuffer | None]:
+        """`gather_to_host` for each of a step's chunks, in one call (on CUDA: one copy of the
+        block ids, one gather launch per staging buffer's worth of chunks, one DMA per run of
+        adjacent slots). A chunk that gets no slot within `wait_secs` is None, and so is every
+        later chunk of its group (`groups`: a key per chunk, e.g. its request; None: all one
+        group); other chunks still try. Any other failure raises, every buffer given back."""
+        if self._cuda is not None:
+            bufs: list[HostBuffer | None] = self._cuda.gather_many_to_host(
+                block_id_lists, wait_secs, groups
+            )
+            return bufs
+        out: list[HostBuffer | None] = []
+        busy: set[Hashable] = set()
+        try:
+            for i, ids in enumerate(block_id_lists):
+                group = groups[i] if groups is not None else None
+                if group in busy:
+                    out.append(None)
+                    continue
+                try:
+                    out.append(self.gather_to_host(ids, wait_secs))
+                except SlotsBusy:
+                    busy.add(group)
+                    out.append(None)
+        except BaseException:
+            for buf in out:
+                if buf is not None:
+                    buf.release()
+            raise
+        return out
 
     def fence(self) -> Any:
         """A mark of the work queued so far on the compute stream (CUDA; None on CPU), taken

@@ -7,7 +7,11 @@ Imported only when vLLM's KV cache is on a CUDA device (the CPU build never impo
   staging buffer in payload order (Triton; ``mode="torch"``: one ``index_select`` per layer),
   (2) one DMA copies the staging buffer into a slot of the pinned pool. The current stream
   waits for (1) only (a later kernel may then overwrite the blocks); the host waits for (2)
-  when it reads the slot (``HostBuffer.view()``).
+  when it reads the slot (``HostBuffer.view()``). A step's saves (`gather_many_to_host`):
+  the block ids of all its chunks go up in one copy, one launch writes as many chunks as the
+  staging buffer holds (sized ``staging_bytes``: a 7B step's 32 chunks in one launch) at the
+  places their slots have in the pool, and one DMA per run of adjacent slots copies them out,
+  so vLLM's thread spends a fixed few hundred microseconds per step, not one launch per chunk.
 - scatter (a load), on the same stream, after the compute stream's work: one DMA from a pinned
   slot (a pageable payload is first copied into one, outside the copy lock, so a long load
   never holds up the other thread's copies) into staging, one launch into the pages. A load
@@ -30,22 +34,28 @@ slot goes back to a caller only once the device is done with it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload
+from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload, SlotsBusy
 from kvtier.vllm.blockcopy.pinned import PinnedHostBuffer, PinnedPool
 from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
 
 log = logging.getLogger(__name__)
 
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+#: Device staging of a step's saves, at most (whole slots; at least one): the chunks gathered
+#: in one launch. The compute stream waits for the last launch's reads, so with more chunks
+#: than this holds it also waits for the copies out of the launches before it.
+STAGING_BYTES = 512 << 20
 
 
 class _IdsRing:
@@ -54,15 +64,16 @@ class _IdsRing:
 
     def __init__(self, capacity: int, device: Any, entries: int = 8) -> None:
         self.capacity = capacity
-        self.host = torch.empty((entries, capacity), dtype=torch.int64, pin_memory=True)
+        self.host = torch.empty((entries, max(1, capacity)), dtype=torch.int64, pin_memory=True)
         self._host_np = self.host.numpy()
-        self.dev = torch.empty((entries, capacity), dtype=torch.int64, device=device)
+        self.dev = torch.empty((entries, max(1, capacity)), dtype=torch.int64, device=device)
         self.events = [torch.cuda.Event() for _ in range(entries)]
         self.used = [False] * entries
         self.next = 0
 
-    def put(self, ids: Sequence[int], stream: Any) -> Any:
-        """The ids on the device (copy queued on `stream`, the current stream)."""
+    def put(self, ids: Sequence[int] | Any, stream: Any) -> Any:
+        """The ids (a sequence or an int64 array) on the device (copy queued on `stream`, the
+        current stream)."""
         k = self.next
         self.next = (k + 1) % len(self.events)
         if self.used[k]:
@@ -90,6 +101,7 @@ class CudaBlockCopier:
         save_buffers: int | None = None,
         mode: str = "auto",
         compute_stream: Callable[[], Any] | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         self.layout = layout
         self.tensors = list(tensors)
@@ -133,7 +145,9 @@ class CudaBlockCopier:
         self._pool: PinnedPool | None = None
         self._save_pool: PinnedPool | None = None
         self._staging: Any = None
+        self._staging_bytes = STAGING_BYTES if staging_bytes is None else staging_bytes
         self._ids: _IdsRing | None = None
+        self._many_ids: _IdsRing | None = None  # a step's saves: ids and staging offsets
         if max_blocks:  # both pools now: pinning them mid-step would stall it
             self._ensure_capacity(layout.payload_nbytes(max_blocks))
             self._ensure_capacity(layout.payload_nbytes(max_blocks), saves=True)
@@ -168,14 +182,21 @@ class CudaBlockCopier:
                     nbytes,
                     pool.slot_bytes,
                 )
-            if self._staging is None or slot_bytes > self._staging.numel():
-                self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
-                blocks = slot_bytes // (self.layout.num_layers * self.layout.block_nbytes)
+            staging = slot_bytes * max(1, min(self._save_slots, self._staging_bytes // slot_bytes))
+            if self._staging is None or staging > self._staging.numel():
+                if self._staging is not None:
+                    self.stream.synchronize()  # the copy stream may still read the old one
+                self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device)
+            blocks = max(1, slot_bytes // (self.layout.num_layers * self.layout.block_nbytes))
+            if self._ids is None or blocks > self._ids.capacity:
                 # A row per copy that can be in flight (every slot of both pools, and a
                 # margin): a step queues all its gathers at once, and reusing a row the copy
                 # stream has not read yet would make the host wait for it.
                 entries = self._slots + self._save_slots + 8
-                self._ids = _IdsRing(max(1, blocks), self.device, entries)
+                self._ids = _IdsRing(blocks, self.device, entries)
+                # A step's saves: ids, staging offsets and layer strides of every block of
+                # the chunks that hold a save slot (at most all of them), one row per step.
+                self._many_ids = _IdsRing(3 * self._save_slots * blocks, self.device, 4)
             if saves:
                 self._save_pool = PinnedPool(slot_bytes, self._save_slots)
                 return self._save_pool
@@ -222,6 +243,168 @@ class CudaBlockCopier:
             buf.release()
             raise
         return buf
+
+    def gather_many_to_host(
+        self,
+        block_id_lists: Sequence[Sequence[int]],
+        wait_secs: float | None = None,
+        groups: Sequence[Hashable] | None = None,
+    ) -> list[PinnedHostBuffer | None]:
+        """`gather_to_host` for each of several chunks (a step's saves) in one go: a save
+        slot each (taken in order, each waited for up to `wait_secs`), one copy of all the
+        block ids to the device, one gather launch per stagingful of chunks, one DMA per run
+        of adjacent slots. Ordered like `gather_to_host`: after the compute stream's work so
+        far; the compute stream waits for the gathers' reads, the host for nothing.
+
+        A chunk that gets no slot within `wait_secs` is None, and so is every later chunk of
+        its group (`groups`: one key per chunk, e.g. the request; None: all one group); a
+        later chunk of another group still tries. Any other failure raises, with every slot
+        taken here given back."""
+        count = len(block_id_lists)
+        if count == 0:
+            return []
+        sizes = [len(ids) for ids in block_id_lists]
+        nbytes = [self.layout.payload_nbytes(n) for n in sizes]
+        pool = self._ensure_capacity(max(nbytes), saves=True)
+        slots = self._take_save_slots(pool, count, wait_secs, groups)
+        try:
+            bufs = [
+                None if slot is None else PinnedHostBuffer(pool, slot, nb)
+                for slot, nb in zip(slots, nbytes, strict=True)
+            ]
+            taken = [
+                (slot, block_id_lists[i], sizes[i], nbytes[i])
+                for i, slot in enumerate(slots)
+                if slot is not None
+            ]
+            if taken:
+                self._gather_into_slots(pool, taken)
+        except BaseException:
+            for slot in slots:
+                if slot is not None:
+                    pool.release(slot)
+            raise
+        return bufs
+
+    def _take_save_slots(
+        self,
+        pool: PinnedPool,
+        count: int,
+        wait_secs: float | None,
+        groups: Sequence[Hashable] | None,
+    ) -> list[int | None]:
+        """A save slot for each chunk in order (None: see `gather_many_to_host`): those free
+        now in one go, then each waited for up to `wait_secs`."""
+        free = iter(pool.acquire_many(count))
+        out: list[int | None] = []
+        busy: set[Hashable] = set()
+        try:
+            for i in range(count):
+                group = groups[i] if groups is not None else None
+                if group in busy:
+                    out.append(None)
+                    continue
+                slot = next(free, None)
+                if slot is None:
+                    try:
+                        slot = pool.acquire(wait_secs)
+                    except SlotsBusy:
+                        busy.add(group)
+                        out.append(None)
+                        continue
+                out.append(slot)
+        except BaseException:
+            for slot in out:
+                if slot is not None:
+                    pool.release(slot)
+            raise
+        finally:
+            for slot in free:  # none are left unless something raised
+                pool.release(slot)
+        return out
+
+    def _gather_into_slots(
+        self, pool: PinnedPool, items: list[tuple[int, Sequence[int], int, int]]
+    ) -> None:
+        """(slot, block ids, blocks, bytes) of each chunk: gathered on the copy stream and
+        copied into its slot (see `gather_many_to_host`)."""
+        g = self.geometry
+        sb = pool.slot_bytes
+        items = sorted(items, key=lambda it: it[0])  # adjacent slots: one DMA
+        per_launch = max(1, self._staging.numel() // sb)
+        ns = np.fromiter((it[2] for it in items), dtype=np.int64, count=len(items))
+        total = int(ns.sum())
+        # Per block: its id, its page's word in the staging buffer (layer 0) and the words
+        # between its layers' pages (its chunk's blocks of pages).
+        row = np.empty(3 * total, dtype=np.int64)
+        row[:total] = np.fromiter(
+            itertools.chain.from_iterable(it[1] for it in items), dtype=np.int64, count=total
+        )
+        place = np.arange(len(items), dtype=np.int64) % per_launch
+        first = np.cumsum(ns) - ns
+        row[total : 2 * total] = np.repeat(place * (sb // g.word) - first * g.page_words, ns) + (
+            np.arange(total, dtype=np.int64) * g.page_words
+        )
+        row[2 * total :] = np.repeat(ns * g.page_words, ns)
+        with self._lock:
+            cur = self._compute_stream()
+            s = self.stream
+            self._ev_cur.record(cur)
+            s.wait_event(self._ev_cur)
+            with torch.cuda.stream(s):
+                assert self._many_ids is not None
+                dev = self._many_ids.put(row, s)
+                staging_words = self._staging.view(self._word_dtype)
+                for b0 in range(0, len(items), per_launch):
+                    batch = items[b0 : b0 + per_launch]
+                    lo = int(first[b0])
+                    hi = lo + int(ns[b0 : b0 + per_launch].sum())
+                    if self.mode == "triton" and hi > lo:
+                        from kvtier.vllm.blockcopy import _triton
+
+                        _triton.launch_gather_many(
+                            self._kv_words,
+                            staging_words,
+                            self._layer_offsets,
+                            dev[lo:hi],
+                            dev[total + lo : total + hi],
+                            dev[2 * total + lo : 2 * total + hi],
+                            num_layers=self.layout.num_layers,
+                            num_ids=hi - lo,
+                            geometry=g,
+                        )
+                    elif hi > lo:
+                        at = lo
+                        for k, (_, _, n, _) in enumerate(batch):
+                            self._copy_pages(
+                                dev[at : at + n], n, n, 0, to_payload=True, staging_offset=k * sb
+                            )
+                            at += n
+                    if b0 + per_launch >= len(items):
+                        self._ev_read.record(s)  # every page of the step read
+                    self._copy_out(pool, batch, s)
+            cur.wait_event(self._ev_read)
+
+    def _copy_out(
+        self, pool: PinnedPool, batch: list[tuple[int, Sequence[int], int, int]], s: Any
+    ) -> None:
+        """Chunk k of `batch`, at ``k * slot_bytes`` in the staging buffer, into its slot: one
+        DMA per run of adjacent slots (a partial chunk's slot gets the rest of its staging
+        place too, unused), one event after each."""
+        sb = pool.slot_bytes
+        start = 0
+        for k, (slot, _, _, nbytes) in enumerate(batch):
+            if k + 1 < len(batch) and batch[k + 1][0] == slot + 1:
+                continue
+            first = batch[start][0]
+            length = (k - start) * sb + nbytes
+            pool.host[first * sb : first * sb + length].copy_(
+                self._staging[start * sb : start * sb + length], non_blocking=True
+            )
+            ev = torch.cuda.Event()
+            ev.record(s)
+            pool.record_shared(range(first, slot + 1), ev)
+            start = k + 1
 
     def gather_iter(
         self, block_id_lists: Sequence[Sequence[int]]
@@ -312,10 +495,18 @@ class CudaBlockCopier:
 
     # ------------------------------------------------------------------ the copy itself
     def _copy_pages(
-        self, ids: Any, num_ids: int, payload_blocks: int, payload_first: int, *, to_payload: bool
+        self,
+        ids: Any,
+        num_ids: int,
+        payload_blocks: int,
+        payload_first: int,
+        *,
+        to_payload: bool,
+        staging_offset: int = 0,
     ) -> None:
-        """Pages `ids` of every layer <-> payload blocks ``payload_first ..`` of the staging
-        buffer holding `payload_blocks` blocks per layer; on the current stream."""
+        """Pages `ids` of every layer <-> payload blocks ``payload_first ..`` of the payload
+        at `staging_offset` (bytes) of the staging buffer holding `payload_blocks` blocks per
+        layer; on the current stream."""
         g = self.geometry
         if num_ids == 0:
             return
@@ -324,7 +515,7 @@ class CudaBlockCopier:
 
             _triton.launch(
                 self._kv_words,
-                self._staging.view(self._word_dtype),
+                self._staging[staging_offset:].view(self._word_dtype),
                 self._layer_offsets,
                 ids,
                 num_layers=self.layout.num_layers,
@@ -339,7 +530,7 @@ class CudaBlockCopier:
         perm = (0, *g.inner_order)
         sizes = [int(t0.shape[d]) for d in g.inner_order]
         nbytes = self.layout.payload_nbytes(payload_blocks)
-        staged = self._staging[:nbytes].view(t0.dtype)
+        staged = self._staging[staging_offset : staging_offset + nbytes].view(t0.dtype)
         staged = staged.view(self.layout.num_layers, payload_blocks, *sizes)
         for i, t in enumerate(self.tensors):
             pages = t.permute(*perm)

@@ -8,6 +8,7 @@ import logging
 import mmap
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,9 +54,11 @@ class PinnedPool:
         self._tensors = [self.host[k * slot_bytes : (k + 1) * slot_bytes] for k in range(slots)]
         self._views = [memoryview(t.numpy()).cast("B") for t in self._tensors]
         self._free = list(range(slots))
-        #: One event per slot, recorded after each device operation on the slot (in stream
-        #: order, so the last record covers the earlier ones); `_used`: recorded at least once.
-        self._events = [torch.cuda.Event() for _ in range(slots)]
+        #: The event after the last device operation on each slot (in stream order, so it
+        #: covers the earlier ones): the slot's own (`_own`, re-recorded by `record`), or one
+        #: shared by several slots (`record_shared`); `_used`: recorded at least once.
+        self._own = [torch.cuda.Event() for _ in range(slots)]
+        self._events = list(self._own)
         self._used = [False] * slots
         self._cond = threading.Condition()
         self._closed = False
@@ -78,14 +81,39 @@ class PinnedPool:
         self.wait(slot)
         return slot
 
+    def acquire_many(self, count: int) -> list[int]:
+        """Up to `count` free slots at once, without waiting (lowest first, so that slots
+        taken together tend to be adjacent: one device -> host copy for a run of them)."""
+        with self._cond:
+            if count >= len(self._free):
+                taken, self._free = sorted(self._free), []
+            else:
+                self._free.sort()
+                taken, self._free = self._free[:count], self._free[count:]
+        seen: set[int] = set()
+        for slot in taken:  # one wait per event (several slots may share one)
+            ev = self._events[slot]
+            if self._used[slot] and id(ev) not in seen:
+                seen.add(id(ev))
+                ev.synchronize()
+        return taken
+
     def wait(self, slot: int) -> None:
         if self._used[slot]:
             self._events[slot].synchronize()
 
     def record(self, slot: int, stream: Any) -> None:
         """The device operation just queued on `stream` uses `slot`."""
-        self._events[slot].record(stream)
+        ev = self._own[slot]
+        ev.record(stream)
+        self._events[slot] = ev
         self._used[slot] = True
+
+    def record_shared(self, slots: Sequence[int], event: Any) -> None:
+        """`event`, already recorded, follows the last device operation on each of `slots`."""
+        for slot in slots:
+            self._events[slot] = event
+            self._used[slot] = True
 
     def release(self, slot: int) -> None:
         with self._cond:
@@ -122,8 +150,16 @@ class PinnedHostBuffer(HostBuffer):
     def __init__(self, pool: PinnedPool, slot: int, nbytes: int) -> None:
         self.pool = pool
         self.slot = slot
-        self.tensor = pool.tensor(slot, nbytes)
+        self._tensor: Any = None
         super().__init__(pool.view(slot, nbytes), on_release=self._give_back)
+
+    @property
+    def tensor(self) -> Any:
+        """The slot's bytes as a CPU uint8 tensor (made when first asked: a step's saves
+        create many buffers and only a load from one needs it)."""
+        if self._tensor is None:
+            self._tensor = self.pool.tensor(self.slot, self.nbytes)
+        return self._tensor
 
     def wait(self) -> None:
         self.pool.wait(self.slot)
