@@ -3,6 +3,7 @@
     PYTHONPATH=connector:connector/tests/cuda python connector/tests/cuda/bench_gpu_paths.py \
         --out DIR [--iters 1000]
     python connector/tests/cuda/bench_gpu_paths.py --plot DIR/bench_gpu_paths.json --png F.png
+    python connector/tests/cuda/bench_gpu_paths.py --plot-steps OLD.json NEW.json --png F.png
 
 1. **Stream order** (``order``): vLLM's threading reproduced. The main thread computes on a
    dedicated stream it set (as vLLM's GPU model runner does), and clears the target blocks on
@@ -327,6 +328,7 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
             "steps": steps,
             "host_ms_median": 1000 * statistics.median(host_times),
             "host_ms_max": 1000 * max(host_times),
+            "host_ms_steps": [round(1000 * t, 3) for t in host_times],
             "saved_GBps": rate,
             "plain_d2h_GBps": plain_rate,
             "ratio": rate / plain_rate,
@@ -478,10 +480,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=["order", "saves", "loads", "lone", "fp8"])
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--plot-steps", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
     if args.plot:
         return _plot(args.plot, args.png)
+    if args.plot_steps:
+        return _plot_steps(*args.plot_steps, args.png)
     import torch
 
     result: dict[str, Any] = {
@@ -539,6 +544,29 @@ def _plot(src: Path, png: Path | None) -> int:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png or src.with_suffix(".png"))
+    return 0
+
+
+def _plot_steps(before: Path, after: Path, png: Path | None) -> int:
+    """Host time of each save step (``saves`` with ``--forward-ms``), two runs side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {path.parent.name: json.loads(path.read_text())["saves"] for path in (before, after)}
+    names = [n for n in next(iter(runs.values())) if all(n in r for r in runs.values())]
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), sharey=True)
+    for ax, name in zip(axes, names, strict=True):
+        for label, saves in runs.items():
+            ax.plot(saves[name]["host_ms_steps"], marker=".", label=label)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("host ms in wait_for_save")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(png or after.with_suffix(".steps.png"))
     return 0
 
 
