@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvtier_tools.bench import store as bench_store
-from kvtier_tools.bench import store_runs
+from kvtier_tools.bench import tier_client_runs as store_runs
+from kvtier_tools.bench import tier_clients as bench_store
 from kvtier_tools.bench import ttft as bench_ttft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

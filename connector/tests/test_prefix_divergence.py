@@ -15,7 +15,7 @@ import pytest
 from kvtier.keys import chunk_hashes
 from kvtier.vllm.divergence import PrefixHistory
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
-from kvtier.vllm.stores import StoreLookups
+from kvtier.vllm.store_setup import StoreLookups
 
 CHUNK, BLOCK = 256, 128
 SYSTEM = 600  # tokens before the changing line: chunks 0 and 1 hold only the system prompt

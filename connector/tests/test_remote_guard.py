@@ -212,7 +212,7 @@ def test_a_remote_tier_that_cannot_be_built_is_served_without(
     caplog: pytest.LogCaptureFixture, tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("boto3")
-    from kvtier.vllm.stores import RemoteTierUnavailable, open_store
+    from kvtier.vllm.store_setup import RemoteTierUnavailable, open_store
 
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
     with caplog.at_level(logging.WARNING, logger="kvtier"):
@@ -230,7 +230,7 @@ def test_a_remote_tier_that_fails_its_start_check_starts_open(
 ) -> None:
     pytest.importorskip("boto3")
     import kvtier.tiers.s3 as s3
-    from kvtier.vllm.stores import RemoteTierUnavailable, open_store
+    from kvtier.vllm.store_setup import RemoteTierUnavailable, open_store
 
     tier = ScriptedTier()
     tier.fail = "http_403"

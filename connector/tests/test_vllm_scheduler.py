@@ -18,7 +18,7 @@ from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.vllm import scheduler as scheduler_module
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
-from kvtier.vllm.stores import StoreLookups
+from kvtier.vllm.store_setup import StoreLookups
 
 CHUNK, BLOCK = 256, 128
 

@@ -5,7 +5,7 @@ Tiers are built here only: `tiers_from_config` for a server (every tier the conf
 S3 behind its circuit breaker and cap), `persistent_tiers` for the tools (what outlives a
 server, opened read-mostly, failures raised). A new tier is a `kvtier.tiers.base.Tier` in a
 module of its own, built in both functions (CONTRIBUTING.md). The benchmarks that compare S3
-clients build each client's tier on purpose (kvtier_tools.bench.store_runs).
+clients build each client's tier on purpose (kvtier_tools.bench.tier_client_runs).
 """
 
 from __future__ import annotations

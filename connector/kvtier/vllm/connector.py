@@ -49,7 +49,7 @@ from kvtier.vllm.layout import (
 )
 from kvtier.vllm.scheduler import CpuTierIndex, SchedulerSettings, SchedulerSide
 from kvtier.vllm.step_plan import StepPlan
-from kvtier.vllm.stores import StoreLookups, open_store
+from kvtier.vllm.store_setup import StoreLookups, open_store
 from kvtier.vllm.version import check_vllm_version
 from kvtier.vllm.worker import WorkerSide
 

@@ -109,7 +109,7 @@ class SchedulerSettings:
 
 class ChunkLookups(Protocol):
     """What the scheduler side asks the store (disk, S3) about chunks: all it sees of the
-    tiers beyond its own index of the worker's CPU tier (`kvtier.vllm.stores.StoreLookups`)."""
+    tiers beyond its own index of the worker's CPU tier (`kvtier.vllm.store_setup.StoreLookups`)."""
 
     def local_prefix(self, hashes: Sequence[str]) -> int:
         """Leading chunks of ``hashes`` that a local tier holds, asked now (0: none)."""

@@ -1,7 +1,8 @@
 """Benchmarks: ``kvtier bench <command>`` (:mod:`kvtier_tools.bench.cli` registers them).
 
-- ``kvtier bench store``: :mod:`~kvtier_tools.bench.store`, the S3 and disk tiers against raw
-  boto3/awscrt clients and plain file reads (measured in :mod:`~kvtier_tools.bench.store_runs`);
+- ``kvtier bench store``: :mod:`~kvtier_tools.bench.tier_clients`, the S3 and disk tiers
+  against raw boto3/awscrt clients and plain file reads (measured in
+  :mod:`~kvtier_tools.bench.tier_client_runs`);
 - ``kvtier bench ttft``: :mod:`~kvtier_tools.bench.ttft`, TTFT of one prompt set, one vLLM server
   per scenario;
 - ``kvtier bench longdoc``: :mod:`~kvtier_tools.bench.longdoc`, LMCache's long_doc_qa against a

@@ -6,7 +6,7 @@ import importlib
 from typing import Any
 
 BENCH_MODULES: tuple[str, ...] = (
-    "kvtier_tools.bench.store",  # bench store
+    "kvtier_tools.bench.tier_clients",  # bench store
     "kvtier_tools.bench.ttft",  # bench ttft (vLLM servers side by side)
     "kvtier_tools.bench.longdoc",  # bench longdoc (LMCache's long_doc_qa against a running server)
     "kvtier_tools.bench.compare",  # bench compare (experiments A-D, scenarios side by side)

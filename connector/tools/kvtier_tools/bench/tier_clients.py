@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.config import ConfigError, KvtierConfig, load_config
 from kvtier_tools.bench.plot import NO_MATPLOTLIB, pyplot, save
-from kvtier_tools.bench.store_runs import Cell, run_disk, run_s3
+from kvtier_tools.bench.tier_client_runs import Cell, run_disk, run_s3
 
 _MIB = 1024 * 1024
 

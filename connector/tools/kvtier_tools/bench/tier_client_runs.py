@@ -1,4 +1,4 @@
-"""The measurements of `kvtier bench store` (:mod:`kvtier_tools.bench.store`): each client on
+"""The measurements of `kvtier bench store` (:mod:`kvtier_tools.bench.tier_clients`): each client on
 the same bytes, one :class:`Cell` per (client, object size, operation): MiB/s and client CPU-s
 per GiB.
 """
