@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -381,6 +382,29 @@ def test_gather_many_with_no_slot_drops_the_rest_of_that_group_only() -> None:
         buf.release()
     assert copier.gather_many_to_host([], 0.05) == []
     assert len(copier._cuda.save_pool._free) == 3
+
+
+def test_gather_many_waits_for_slots_at_most_its_bound_in_all() -> None:
+    """Slots coming free one by one every 40 ms: a call bounded to 100 ms gets at most the
+    ones freed within those 100 ms, not one slot per 100 ms (the bound is for the call)."""
+    layout, src = _caches("LBNHC")
+    copier = BlockCopier(layout, src, max_blocks=4, save_buffers=8)
+    held = copier.gather_many_to_host([[i] for i in range(8)], 0.05)
+    assert all(b is not None for b in held)
+
+    def give_back() -> None:
+        for buf in held:
+            time.sleep(0.04)
+            buf.release()  # type: ignore[union-attr]
+
+    releaser = threading.Thread(target=give_back)
+    releaser.start()
+    bufs = copier.gather_many_to_host([[i] for i in range(8)], 0.1)
+    releaser.join()
+    got = [b for b in bufs if b is not None]
+    assert 1 <= len(got) <= 3, [b is not None for b in bufs]
+    for buf in got:
+        buf.release()
 
 
 def test_gather_many_waits_for_the_compute_stream_and_guards_the_blocks() -> None:

@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
-from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload, SlotsBusy
+from kvtier.vllm.blockcopy.host_buffer import (
+    HostBuffer,
+    Payload,
+    SlotsBusy,
+    seconds_left,
+    slot_deadline,
+)
 from kvtier.vllm.layout import KVLayout, LayoutError
 
 
@@ -107,9 +113,10 @@ class BlockCopier:
     ) -> list[HostBuffer | None]:
         """`gather_to_host` for each of a step's chunks, in one call (on CUDA: one copy of the
         block ids, one gather launch per staging buffer's worth of chunks, one DMA per run of
-        adjacent slots). A chunk that gets no slot within `wait_secs` is None, and so is every
-        later chunk of its group (`groups`: a key per chunk, e.g. its request; None: all one
-        group); other chunks still try. Any other failure raises, every buffer given back."""
+        adjacent slots). A chunk that gets no slot within `wait_secs` of the call is None, and
+        so is every later chunk of its group (`groups`: a key per chunk, e.g. its request;
+        None: all one group); other chunks still try. Any other failure raises, every buffer
+        given back."""
         if self._cuda is not None:
             bufs: list[HostBuffer | None] = self._cuda.gather_many_to_host(
                 block_id_lists, wait_secs, groups
@@ -117,6 +124,7 @@ class BlockCopier:
             return bufs
         out: list[HostBuffer | None] = []
         busy: set[Hashable] = set()
+        deadline = slot_deadline(wait_secs)
         try:
             for i, ids in enumerate(block_id_lists):
                 group = groups[i] if groups is not None else None
@@ -124,7 +132,7 @@ class BlockCopier:
                     out.append(None)
                     continue
                 try:
-                    out.append(self.gather_to_host(ids, wait_secs))
+                    out.append(self.gather_to_host(ids, seconds_left(deadline)))
                 except SlotsBusy:
                     busy.add(group)
                     out.append(None)

@@ -45,7 +45,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.vllm.blockcopy.host_buffer import HostBuffer, Payload, SlotsBusy
+from kvtier.vllm.blockcopy.host_buffer import (
+    HostBuffer,
+    Payload,
+    SlotsBusy,
+    seconds_left,
+    slot_deadline,
+)
 from kvtier.vllm.blockcopy.pinned import PinnedHostBuffer, PinnedPool
 from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
 
@@ -294,7 +300,8 @@ class CudaBlockCopier:
         groups: Sequence[Hashable] | None,
     ) -> list[int | None]:
         """A save slot for each chunk in order (None: see `gather_many_to_host`): those free
-        now in one go, then each waited for up to `wait_secs`."""
+        now in one go, then the others waited for until `wait_secs` from now, all together."""
+        deadline = slot_deadline(wait_secs)
         free = iter(pool.acquire_many(count))
         out: list[int | None] = []
         busy: set[Hashable] = set()
@@ -307,7 +314,7 @@ class CudaBlockCopier:
                 slot = next(free, None)
                 if slot is None:
                     try:
-                        slot = pool.acquire(wait_secs)
+                        slot = pool.acquire(seconds_left(deadline))
                     except SlotsBusy:
                         busy.add(group)
                         out.append(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvtier.vllm.layout import LayoutError
@@ -10,6 +11,18 @@ from kvtier.vllm.layout import LayoutError
 class SlotsBusy(LayoutError):
     """No pinned buffer came free within the time the caller would wait (a save is then
     dropped and counted: backpressure)."""
+
+
+def slot_deadline(wait_secs: float | None) -> float | None:
+    """When a wait for save slots of ``wait_secs`` (None: the pool's default) ends: one bound
+    for all the chunks of a call (a bound per chunk let a step of 32 chunks wait 44 ms for
+    slots freed one by one)."""
+    return None if wait_secs is None else time.monotonic() + wait_secs
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (`slot_deadline`), at least 0; None: no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class HostBuffer:
