@@ -37,6 +37,7 @@ from kvtier.format import (
     split_object,
     verify,
 )
+from kvtier.hostmem import owned_copy
 from kvtier.keys import ChunkKey, chunk_digest
 from kvtier.prefix import RemotePrefix, leading_present, walk_objects
 from kvtier.ratelimit import RateLimitedLog
@@ -423,7 +424,9 @@ class TieredStore:
             # A view of a buffer the caller reuses is copied once, here; a lent view goes to
             # the writers as it is (they only read it: os.writev, a PUT body's reader), typed
             # as the bytes it stands for.
-            payload = cast(bytes, data) if lent and not isinstance(data, bytes) else bytes(data)
+            payload = (
+                cast(bytes, data) if lent and not isinstance(data, bytes) else owned_copy(data)
+            )
             header = pack_header(self._layout, _hash_bytes(chunk_hash), num_tokens, payload)
             items.append((self.key(chunk_hash), (header, payload)))
         with self._lock:
@@ -437,8 +440,8 @@ class TieredStore:
                 self._write_async(tier, items, latch)
             elif tier.name == "cpu":
                 for key, (header, payload) in items:
-                    kept = payload if isinstance(payload, bytes) else bytes(payload)
-                    self._write(tier, [(key, (header, kept))])
+                    # kvtier.hostmem: a copy under the GIL would stall vLLM's thread.
+                    self._write(tier, [(key, (header, owned_copy(payload)))])
             else:
                 for one in items:
                     self._write_async(tier, [one], latch)

@@ -275,6 +275,30 @@ def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path) -> 
         assert store.get(data[0][0]) == data[0][1]  # the disk tier's, written from the view
 
 
+def test_a_large_lent_run_goes_into_cpu_copies_the_slot_does_not_share(tmp_path: Path) -> None:
+    """A GPU step's run (here 4 chunks of 8 MiB, copied without the GIL: kvtier.hostmem): the
+    CPU tier's copies are bytes that survive the slot's reuse, and every tier's blob verifies."""
+    data = chunks(4, size=8 << 20, seed=3)
+    slot = bytearray(b"".join(p for _, p in data))
+    size = len(data[0][1])
+    given_back: list[bool] = []
+    with _store(tmp_path, cpu=256 << 20, object_chunks=4) as store:
+        views = [memoryview(slot)[i * size : (i + 1) * size] for i in range(4)]
+        store.put_run(
+            [(h, v, 256) for (h, _), v in zip(data, views, strict=True)],
+            on_done=lambda: given_back.append(True),
+        )
+        assert store.flush(10) and given_back == [True]
+        slot[:] = bytes(len(slot))  # the slot is reused
+        cpu = store.tiers[0]
+        kept = [cpu.get(store.key(h)) for h, _ in data]
+        assert all(item is not None and type(item[1]) is bytes for item in kept)
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data]  # CPU, verified
+        for h, _ in data:
+            cpu.delete(store.key(h))
+        assert store.get_many([h for h, _ in data]) == [p for _, p in data]  # disk, verified
+
+
 def test_a_lent_view_comes_back_when_its_write_is_dropped(tmp_path: Path) -> None:
     data = chunks(1)
     given_back: list[bool] = []

@@ -1,0 +1,43 @@
+"""Copies of lent host buffers made without holding the GIL.
+
+The CPU tier keeps what it holds, so a payload lent by the GPU path (a pinned save slot, given
+back once written) is copied before it goes in. ``bytes(view)`` copies under the GIL: with a
+thread copying 14 MB chunks so, a main thread sleeping 0.5 ms in a loop woke up to 9 ms late
+(a 70B model's chunk is 84 MB; vLLM's thread waits as long for any Python work). Here the bytes
+object is made uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as C code does: the GIL
+is held only for the allocation) and filled by ``ctypes.memmove``, which runs without the GIL,
+before anyone else can see it. Same speed as ``bytes(view)`` (12.7 against 13.2 GB/s on this
+project's CI host, both reusing freed memory), same allocator, a real ``bytes``; the same
+sleeping thread woke at most 2.4 ms late.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+#: Below this a copy is short enough to make under the GIL.
+GIL_FREE_MIN_BYTES = 1 << 20
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = [ctypes.py_object]
+
+
+def owned_copy(data: bytes | memoryview) -> bytes:
+    """``bytes(data)``, copied without the GIL when large (``data`` itself if it is bytes)."""
+    if isinstance(data, bytes):
+        return data  # immutable: nothing to copy
+    view = memoryview(data)
+    nbytes = view.nbytes
+    if nbytes < GIL_FREE_MIN_BYTES or view.readonly or not view.c_contiguous:
+        return bytes(view)  # from_buffer needs a writable buffer
+    source = (ctypes.c_char * nbytes).from_buffer(view.cast("B"))
+    out: bytes = _new_bytes(None, nbytes)
+    try:
+        ctypes.memmove(_bytes_data(out), source, nbytes)
+    finally:
+        del source  # its export would keep the lender's buffer pinned in place
+    return out

@@ -1,0 +1,30 @@
+"""owned_copy: the CPU tier's copy of a lent buffer (kvtier.hostmem)."""
+
+from __future__ import annotations
+
+import os
+
+from kvtier.hostmem import GIL_FREE_MIN_BYTES, owned_copy
+
+
+def test_a_large_writable_buffer_is_copied_into_memory_it_does_not_share() -> None:
+    data = os.urandom(3 * GIL_FREE_MIN_BYTES + 5)
+    slot = bytearray(data)
+    copy = owned_copy(memoryview(slot))
+    slot[:] = bytes(len(slot))  # the lender reuses its buffer
+    assert type(copy) is bytes and copy == data  # the CPU tier's copy stays as saved
+
+
+def test_a_view_of_another_format_is_copied_as_its_bytes() -> None:
+    words = memoryview(bytearray(os.urandom(GIL_FREE_MIN_BYTES))).cast("I")
+    assert owned_copy(words) == words.tobytes()
+
+
+def test_small_and_read_only_buffers_are_copied_too_and_bytes_are_kept() -> None:
+    small = bytearray(b"kv" * 10)
+    assert type(owned_copy(memoryview(small))) is bytes
+    assert owned_copy(memoryview(small)) == bytes(small)
+    big = os.urandom(GIL_FREE_MIN_BYTES)
+    assert owned_copy(big) is big  # immutable: nothing to copy
+    read_only = memoryview(bytearray(big)).toreadonly()
+    assert type(owned_copy(read_only)) is bytes and owned_copy(read_only) == big
