@@ -77,7 +77,11 @@ COUNTERS: tuple[Metric, ...] = (
         "save_dropped_chunks",
         "Chunks not saved: no pinned save buffer came free within save_wait_secs (CUDA).",
     ),
-    Metric("kvtier:save_failed_chunks", "save_failed_chunks", "Chunks whose copy out failed."),
+    Metric(
+        "kvtier:save_failed_chunks",
+        "save_failed_chunks",
+        "Chunks whose copy out failed, or that the store could not take.",
+    ),
     Metric(
         "kvtier:kv_events_published",
         "kv_events_published",

@@ -18,6 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
+
+import kvtier.vllm.worker as worker_module
 from kvtier.stats import StoreStats
 from kvtier.store import ChunkRef
 from kvtier.vllm.blockcopy.host_buffer import HostBuffer, SlotsBusy
@@ -296,6 +299,46 @@ def test_with_no_save_buffer_free_the_step_drops_the_rest_of_the_request_and_cou
         done()
     worker.save([_save("b", 4)])  # buffers back: saves go on
     assert _until(lambda: len(store.put) == 3)
+    worker.close(1)
+
+
+def test_a_store_that_raises_gives_the_slots_back_and_counts_the_chunks_failed() -> None:
+    """put_run is not meant to raise, but a copy for the CPU tier can run out of memory: the
+    run's buffers come back (else the save pool would drain and every later save drop)."""
+
+    class Raises(Store):
+        def put_run(self, chunks: Any, on_done: Any = None, tiers: str = "all") -> None:
+            if chunks[0][0] == "s0":
+                raise MemoryError("no memory for the CPU tier's copy")
+            super().put_run(chunks, on_done, tiers)
+
+    copier, store = Copier(), Raises({})
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    worker.save([_save("a", 0), _save("a", 1), _save("b", 2)])
+    assert _until(lambda: len(getattr(store, "put", [])) == 2)  # a run per chunk here
+    assert [h for h, _ in store.put] == ["s1", "s2"]  # the runs after it are stored
+    assert copier.lent == 2  # only their buffers, lent to the tiers
+    stats = worker.take_stats()
+    assert stats["save_failed_chunks"] == 1 and stats["saved_chunks"] == 2
+    worker.close(1)
+
+
+def test_on_a_larger_host_a_step_s_runs_are_stored_side_by_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four runs (requests) of one step: with store threads (a 16-core host has 4; forced
+    here), each run is in the store and its buffers lent, and a load of one waits for it."""
+    monkeypatch.setattr(worker_module, "_STORE_THREADS", 3)
+    copier, store = Copier(), Store({})
+    worker = WorkerSide(store, copier, timeout_secs=5)  # type: ignore[arg-type]
+    assert worker._storers is not None
+    worker.save([_save(f"r{k}", k) for k in range(4)])
+    assert _until(lambda: len(getattr(store, "put", [])) == 4)
+    assert sorted(h for h, _ in store.put) == ["s0", "s1", "s2", "s3"]
+    assert copier.lent == 4 and worker.take_stats()["saved_chunks"] == 4
+    for done in store.on_done:
+        done()
+    assert copier.lent == 0
     worker.close(1)
 
 
