@@ -17,8 +17,12 @@
    7B and a 70B shape: host time inside the call (vLLM's thread) per step, and the sustained
    rate until every chunk reached the store, against a plain pinned D2H copy of the same bytes
    in the same chunk-sized pieces. The store is a sink that gets the payloads as views of the
-   pinned slots (no ``bytes`` copy on the path: checked), checksums them (xxh3, as the real
-   store's header does) and gives the slots back.
+   pinned slots (no ``bytes`` copy on the path: checked), checksums them or not (xxh3, as the
+   real store's header does) and gives the slots back; or (``+cpu``) the real TieredStore with
+   a CPU tier (``--cpu-tier-gib``, 16), which checksums the chunks and copies them out of the
+   slots (a tier smaller than the run's bytes evicts, and its freed memory is reused). A probe
+   thread sleeping 1 ms in a loop measures how long the save path held the GIL (how late it
+   woke: vLLM's thread would have waited as long).
 3. **Loads** (``loads``): `scatter_many` of 32 chunks from fetched payloads (``bytes``: pageable
    memory, as the tiers return them), streamed, against a plain pinned H2D copy of the same bytes.
 4. **Lone chunk** (``lone``): one 7B/256-token chunk gathered and scattered alone.
@@ -140,6 +144,67 @@ class _Store:
         pass
 
 
+class _TieredSink:
+    """The real store's save path: a TieredStore with a CPU tier (the chunks checksummed and
+    copied out of the lent slots, evicting the oldest), counted like `_Store`."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        from kvtier.store import TieredStore
+        from kvtier.tiers.cpu import CpuTier
+
+        self.store = TieredStore([CpuTier(capacity_bytes)], "00" * 16)
+        self.saved_chunks = 0
+        self.lent_views = True
+        self.done = threading.Condition()
+
+    def get_many(self, refs: Sequence[Any]) -> list[bytes | None]:
+        return self.store.get_many(refs)
+
+    def put_run(
+        self,
+        chunks: Sequence[tuple[str, Any, int]],
+        on_done: Callable[[], None] | None = None,
+        tiers: str = "all",
+    ) -> None:
+        self.lent_views &= all(isinstance(p, memoryview) for _, p, _ in chunks)
+        self.store.put_run(chunks, on_done=on_done, tiers=tiers)  # type: ignore[arg-type]
+        with self.done:
+            self.saved_chunks += len(chunks)
+            self.done.notify_all()
+
+    def stats(self) -> Any:
+        return self.store.stats()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.store.close(timeout)
+
+
+class _GilProbe:
+    """A thread that sleeps 1 ms in a loop: how late it wakes is how long another thread held
+    the GIL (vLLM's main thread waits as long for any Python work of its own)."""
+
+    def __init__(self) -> None:
+        self.late_ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            self.late_ms.append(1000 * (time.perf_counter() - t0) - 1.0)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        late = sorted(self.late_ms) or [0.0]
+        return {
+            "gil_late_ms_p99": late[int(0.99 * (len(late) - 1))],
+            "gil_late_ms_max": late[-1],
+        }
+
+
 class _BeforeCopier:
     """The copier as it was before this change, for the harness's control: a background load
     orders against the loading thread's own current stream (the default stream) and returns
@@ -251,13 +316,19 @@ def _plain(nbytes: int, pieces: int, to_host: bool) -> float:
     return statistics.median(best)
 
 
-def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
+SINKS = ("views", "checksum", "cpu")
+
+
+def saves(
+    steps: int, forward_ms: float = 0.0, sinks: Sequence[str] = SINKS, cpu_tier_gib: float = 16
+) -> dict[str, Any]:
     """``forward_ms`` 0: steps back to back (the save path's rate); else each step's forward
     runs that long on the compute stream and the host waits for it before the next step, as
     vLLM waits for a step's output (the host time of a step's saves, the copies riding
     beside the next forward)."""
     import torch
 
+    from kvtier.keys import chunk_hashes
     from kvtier.vllm.blockcopy.copier import BlockCopier
     from kvtier.vllm.step_plan import SaveSpec
     from kvtier.vllm.worker import WorkerSide
@@ -265,11 +336,15 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     chunks = STEP_TOKENS // CHUNK
     blocks = CHUNK // BLOCK
-    for shape, summed in [(s, c) for s in SHAPES for c in (False, True)]:
+    cases = [(s, sink) for s in SHAPES for sink in sinks]
+    for shape, sink in cases:
+        summed = sink != "views"
         layout, kv = _caches(shape, 1024)
         compute = torch.cuda.Stream()
         torch.cuda.set_stream(compute)
-        store = _Store(checksum=summed)
+        store: Any = (
+            _Store(checksum=summed) if sink != "cpu" else _TieredSink(int(cpu_tier_gib * (1 << 30)))
+        )
         copier = BlockCopier(
             layout,
             kv,
@@ -282,22 +357,25 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
         host_times = []
         total_chunks = 0
         t_start = None
+        probe = None
         for step in range(steps + 2):  # two warm-up steps
             ids = rng.sample(range(1024), chunks * blocks)
+            hashes = chunk_hashes([step * STEP_TOKENS + t for t in range(STEP_TOKENS)], CHUNK)
             specs = [
-                SaveSpec(
-                    f"r{step}", f"{step}-{k}", tuple(ids[k * blocks : (k + 1) * blocks]), CHUNK
-                )
+                SaveSpec(f"r{step}", hashes[k], tuple(ids[k * blocks : (k + 1) * blocks]), CHUNK)
                 for k in range(chunks)
             ]
             with torch.cuda.stream(compute):  # the step's forward, still running
                 torch.cuda._sleep(int(forward_ms * 1.98e6) if forward_ms else 2_000_000)
             if step == 2:
+                # The warm-up's saves reached the store (or were dropped: counted apart).
+                warm = 2 * chunks - int(worker.take_stats().get("save_dropped_chunks", 0))
                 with store.done:
-                    store.done.wait_for(lambda s=store, n=2 * chunks: s.saved_chunks == n, 60)
+                    store.done.wait_for(lambda s=store, n=warm: s.saved_chunks >= n, 60)
                 torch.cuda.synchronize()
                 t_start = time.perf_counter()
                 base = store.saved_chunks
+                probe = _GilProbe()
             t0 = time.perf_counter()
             worker.save(specs)
             if step >= 2:
@@ -312,6 +390,7 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
                 lambda s=store, n=base + total_chunks - dropped: s.saved_chunks >= n, 120
             )
         elapsed = time.perf_counter() - t_start  # type: ignore[operator]
+        gil = probe.stop() if probe is not None else {}
         nbytes = layout.payload_nbytes(blocks)
         total_chunks -= dropped  # the rate is of what was saved
         # The forwards' sleeps are on the compute stream, not the copy stream: the copies run
@@ -319,10 +398,13 @@ def saves(steps: int, forward_ms: float = 0.0) -> dict[str, Any]:
         plain = _plain(nbytes, total_chunks, to_host=True)
         rate = total_chunks * nbytes / elapsed / 1e9
         plain_rate = total_chunks * nbytes / plain / 1e9
-        name = f"{shape}{' +checksum' if summed else ''}"
+        name = {"views": shape, "checksum": f"{shape} +checksum", "cpu": f"{shape} +cpu"}[sink]
         out[name] = {
             "forward_ms": forward_ms,
             "checksum_in_sink": summed,
+            "sink": sink,
+            "cpu_tier_gib": cpu_tier_gib if sink == "cpu" else 0,
+            **gil,
             "chunk_bytes": nbytes,
             "step_bytes": chunks * nbytes,
             "steps": steps,
@@ -479,6 +561,8 @@ def main() -> int:
     ap.add_argument("--forward-ms", type=float, default=0.0)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=["order", "saves", "loads", "lone", "fp8"])
+    ap.add_argument("--sinks", nargs="*", default=list(SINKS), choices=SINKS)
+    ap.add_argument("--cpu-tier-gib", type=float, default=16.0)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--plot-steps", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--png", type=Path)
@@ -497,7 +581,7 @@ def main() -> int:
     }
     runs = {
         "order": lambda: stream_order(args.iters, args.sleep_cycles),
-        "saves": lambda: saves(args.steps, args.forward_ms),
+        "saves": lambda: saves(args.steps, args.forward_ms, args.sinks, args.cpu_tier_gib),
         "loads": lambda: loads(args.reps),
         "lone": lambda: lone(30),
         "fp8": fp8,
@@ -526,7 +610,7 @@ def _plot(src: Path, png: Path | None) -> int:
     fig, ax = plt.subplots(figsize=(8, 4))
     labels, ours, plain = [], [], []
     for shape in SHAPES:
-        for name in (shape, f"{shape} +checksum"):
+        for name in (shape, f"{shape} +checksum", f"{shape} +cpu"):
             if name in r.get("saves", {}):
                 labels.append(f"save {name}")
                 ours.append(r["saves"][name]["saved_GBps"])
