@@ -86,8 +86,9 @@ test-cuda-cpu: vllm-venv
 
 # What the tests need beyond what the roles install: python3-ceph-common (Ceph's own spec
 # classes validate the cephadm specs), prometheus (promtool checks and unit-tests monitoring/'s
-# alert rules). Installed here, so that the README's `make test` passes on a fresh host.
-TEST_PACKAGES := python3-ceph-common prometheus
+# alert rules), systemd (systemd-analyze judges the serving unit; nothing is started). Installed
+# here, so that the README's `make test` passes on a fresh host.
+TEST_PACKAGES := python3-ceph-common prometheus systemd
 
 test-deps:
 	@missing=$$(for p in $(TEST_PACKAGES); do \

