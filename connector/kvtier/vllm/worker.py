@@ -376,17 +376,14 @@ class WorkerSide:
         """Wait for the run's copies, give it to the store; never raises."""
         try:
             chunks = [(spec.chunk_hash, buf.view(), spec.num_tokens) for spec, buf in run]
-        except Exception as exc:  # the copy failed: its chunks are not saved
-            log.warning("kvtier: cannot copy chunks out: %s", exc, exc_info=True)
+            self.store.put_run(chunks, on_done=partial(_release, run), tiers=run[0][0].tiers)
+        except Exception as exc:  # the copy out failed, or the store (e.g. no memory for the
+            # CPU tier's copy): not saved, and the slots come back (release is idempotent)
+            log.warning(
+                "kvtier: cannot copy out or store %d chunks: %s", len(run), exc, exc_info=True
+            )
             self._count("save_failed_chunks", len(run))
             _release(run)
-            return
-        try:
-            self.store.put_run(chunks, on_done=partial(_release, run), tiers=run[0][0].tiers)
-        except Exception as exc:  # e.g. no memory for the CPU tier's copy
-            log.warning("kvtier: cannot store %d chunks: %s", len(run), exc, exc_info=True)
-            self._count("save_failed_chunks", len(run))
-            _release(run)  # else the slots would never come back (release is idempotent)
             return
         self._count("saved_chunks", len(chunks))
         self._count("saved_bytes", sum(len(p) for _, p, _ in chunks))
