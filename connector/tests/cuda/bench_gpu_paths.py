@@ -124,18 +124,23 @@ class _Store:
         on_done: Callable[[], None] | None = None,
         tiers: str = "all",
     ) -> None:
-        from kvtier.format import checksum
-
-        for _, payload, _ in chunks:
-            self.lent_views &= isinstance(payload, memoryview)
-            if self.checksum:
-                checksum(payload)
-        if on_done is not None:
-            on_done()
+        self.lent_views &= all(isinstance(p, memoryview) for _, p, _ in chunks)
+        self._take(chunks, on_done, tiers)
         with self.done:
             self.saved_chunks += len(chunks)
             self.saved_bytes += sum(len(p) for _, p, _ in chunks)
             self.done.notify_all()
+
+    def _take(
+        self, chunks: Sequence[tuple[str, Any, int]], on_done: Callable[[], None] | None, tiers: str
+    ) -> None:
+        from kvtier.format import checksum
+
+        if self.checksum:
+            for _, payload, _ in chunks:
+                checksum(payload)
+        if on_done is not None:
+            on_done()
 
     def stats(self) -> Any:
         return self._stats
@@ -144,7 +149,7 @@ class _Store:
         pass
 
 
-class _TieredSink:
+class _TieredSink(_Store):
     """The real store's save path: a TieredStore with a CPU tier (the chunks checksummed and
     copied out of the lent slots, evicting the oldest), counted like `_Store`."""
 
@@ -152,25 +157,16 @@ class _TieredSink:
         from kvtier.store import TieredStore
         from kvtier.tiers.cpu import CpuTier
 
+        super().__init__()
         self.store = TieredStore([CpuTier(capacity_bytes)], "00" * 16)
-        self.saved_chunks = 0
-        self.lent_views = True
-        self.done = threading.Condition()
 
     def get_many(self, refs: Sequence[Any]) -> list[bytes | None]:
         return self.store.get_many(refs)
 
-    def put_run(
-        self,
-        chunks: Sequence[tuple[str, Any, int]],
-        on_done: Callable[[], None] | None = None,
-        tiers: str = "all",
+    def _take(
+        self, chunks: Sequence[tuple[str, Any, int]], on_done: Callable[[], None] | None, tiers: str
     ) -> None:
-        self.lent_views &= all(isinstance(p, memoryview) for _, p, _ in chunks)
         self.store.put_run(chunks, on_done=on_done, tiers=tiers)  # type: ignore[arg-type]
-        with self.done:
-            self.saved_chunks += len(chunks)
-            self.done.notify_all()
 
     def stats(self) -> Any:
         return self.store.stats()
