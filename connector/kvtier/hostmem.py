@@ -1,14 +1,15 @@
-"""Copies of lent host buffers made without holding the GIL.
+"""Copies of host buffers made without holding the GIL.
 
 The CPU tier keeps what it holds, so a payload lent by the GPU path (a pinned save slot, given
 back once written) is copied before it goes in. ``bytes(view)`` copies under the GIL: with a
 thread copying 14 MB chunks so, a main thread sleeping 0.5 ms in a loop woke up to 9 ms late
-(a 70B model's chunk is 84 MB; vLLM's thread waits as long for any Python work). Here the bytes
-object is made uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as C code does: the GIL
-is held only for the allocation) and filled by ``ctypes.memmove``, which runs without the GIL,
-before anyone else can see it. Same speed as ``bytes(view)`` (12.7 against 13.2 GB/s on this
-project's CI host, both reusing freed memory), same allocator, a real ``bytes``; the same
-sleeping thread woke at most 2.4 ms late.
+(a 70B model's chunk is 84 MB; vLLM's thread waits as long for any Python work). Here the copy
+is ``ctypes.memmove``, which runs without the GIL. `owned_copy` makes a ``bytes`` object
+uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as C code does: the GIL is held only for
+the allocation) and fills it before anyone else can see it: same speed as ``bytes(view)``
+(12.7 against 13.2 GB/s on this project's CI host, both reusing freed memory), same allocator,
+a real ``bytes``; the same sleeping thread woke at most 2.4 ms late. `copy_into` fills memory
+the caller owns (the CPU tier's slab).
 """
 
 from __future__ import annotations
@@ -34,10 +35,26 @@ def owned_copy(data: bytes | memoryview) -> bytes:
     nbytes = view.nbytes
     if nbytes < GIL_FREE_MIN_BYTES or view.readonly or not view.c_contiguous:
         return bytes(view)  # from_buffer needs a writable buffer
-    source = (ctypes.c_char * nbytes).from_buffer(view.cast("B"))
     out: bytes = _new_bytes(None, nbytes)
+    copy_into(_bytes_data(out), view)
+    return out
+
+
+def copy_into(address: int, data: bytes | memoryview) -> None:
+    """Copy ``data`` to the host memory at ``address`` (the caller's, at least as long),
+    without the GIL when large."""
+    if isinstance(data, bytes):
+        ctypes.memmove(address, data, len(data))  # a bytes object is passed as its buffer
+        return
+    view = memoryview(data)
+    nbytes = view.nbytes
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    if nbytes < GIL_FREE_MIN_BYTES or view.readonly:  # from_buffer needs a writable buffer
+        memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")[:] = view.cast("B")
+        return
+    source = (ctypes.c_char * nbytes).from_buffer(view.cast("B"))
     try:
-        ctypes.memmove(_bytes_data(out), source, nbytes)
+        ctypes.memmove(address, source, nbytes)
     finally:
         del source  # its export would keep the lender's buffer pinned in place
-    return out

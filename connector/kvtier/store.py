@@ -10,10 +10,11 @@ breaker (kvtier.tiers.guard), and its lookup is a search of a few requests (kvti
 one per chunk. ``get_many`` reads each chunk from the fastest local tier holding it and the rest
 from the remote tier, one GET per object, verifies header and checksum, and copies what the
 remote tier gave into the faster tiers. Payloads are passed by reference between tiers (bytes
-are immutable): the CPU tier holds the caller's object, and a read returns the payload object
-the tier produced. Every failure in the data path (I/O error, timeout, corrupt blob, full disk)
-is a miss: counted per tier by cause and logged (at most once per cause and tier every few
-seconds: a dead endpoint must not write a warning per chunk), never raised into the caller.
+are immutable), except into the CPU tier, which copies what it keeps (kvtier.tiers.cpu); a read
+returns the payload object the tier produced (the CPU slab tier's: a leased view). Every
+failure in the data path (I/O error, timeout, corrupt blob, full disk) is a miss: counted per
+tier by cause and logged (at most once per cause and tier every few seconds: a dead endpoint
+must not write a warning per chunk), never raised into the caller.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from kvtier.admission import SaveTiers, writes_to
 from kvtier.config import KvtierConfig
@@ -44,6 +45,9 @@ from kvtier.ratelimit import RateLimitedLog
 from kvtier.stats import StatsFile, StoreStats, TierStats
 from kvtier.tiers.base import Stored, Tier, TierError
 from kvtier.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from kvtier.tiers.cpu import PinHost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,15 +157,23 @@ class TieredStore:
         disk_maintain: bool = True,
         disk_peers: frozenset[str] = frozenset(),
         remote_maintain: bool = False,
+        cpu_slot_bytes: int | None = None,
+        cpu_pin: PinHost | None = None,
     ) -> TieredStore:
         """A store over the tiers ``cfg`` enables (:func:`kvtier.tiers.tiers_from_config`); the
         remote tier's runs are cut every ``object_chunks`` chunks (the connector derives it
         from the layout: :func:`kvtier.format.chunks_per_object`). ``disk_maintain``,
-        ``disk_peers``, ``remote_maintain``: see `kvtier.tiers.tiers_from_config`."""
+        ``disk_peers``, ``remote_maintain``, ``cpu_slot_bytes``, ``cpu_pin``: see
+        `kvtier.tiers.tiers_from_config`."""
         from kvtier.tiers import tiers_from_config
 
         tiers = tiers_from_config(
-            cfg, disk_maintain=disk_maintain, disk_peers=disk_peers, remote_maintain=remote_maintain
+            cfg,
+            disk_maintain=disk_maintain,
+            disk_peers=disk_peers,
+            remote_maintain=remote_maintain,
+            cpu_slot_bytes=cpu_slot_bytes,
+            cpu_pin=cpu_pin,
         )
         return cls(
             tiers,
@@ -411,9 +423,9 @@ class TieredStore:
 
         A payload given as a view is lent: with ``on_done`` the background writes (disk, S3)
         read the view itself, and ``on_done`` is called once the last of them has ended
-        (written, failed or dropped), after which the buffer may be reused; the CPU tier,
-        which keeps what it holds, takes a copy. Without ``on_done`` a view is copied once,
-        here, for every tier."""
+        (written, failed or dropped), after which the buffer may be reused; the CPU tier
+        copies it before this returns. Without ``on_done`` a view is copied once, here, for
+        every tier."""
         if not chunks:
             if on_done is not None:
                 on_done()
@@ -439,9 +451,8 @@ class TieredStore:
             if tier.remote:
                 self._write_async(tier, items, latch)
             elif tier.name == "cpu":
-                for key, (header, payload) in items:
-                    # kvtier.hostmem: a copy under the GIL would stall vLLM's thread.
-                    self._write(tier, [(key, (header, owned_copy(payload)))])
+                for one in items:  # it copies what it keeps (kvtier.tiers.cpu), now
+                    self._write(tier, [one])
             else:
                 for one in items:
                     self._write_async(tier, [one], latch)

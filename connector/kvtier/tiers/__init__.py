@@ -17,6 +17,7 @@ from kvtier.tiers.base import Tier, TierError
 
 if TYPE_CHECKING:
     from kvtier.config import KvtierConfig
+    from kvtier.tiers.cpu import PinHost
 
 __all__ = ["Tier", "TierError", "persistent_tiers", "tiers_from_config"]
 
@@ -27,16 +28,24 @@ def tiers_from_config(
     disk_maintain: bool = True,
     disk_peers: frozenset[str] = frozenset(),
     remote_maintain: bool = False,
+    cpu_slot_bytes: int | None = None,
+    cpu_pin: PinHost | None = None,
 ) -> list[Tier]:
     """The tiers ``cfg`` enables, fastest first: CPU, disk, and S3 behind its circuit breaker.
     ``disk_maintain``, ``disk_peers``: see `kvtier.tiers.disk.DiskTier`. ``remote_maintain``:
     this process writes the S3 tier and keeps its cap (``max_remote_size``:
-    `kvtier.tiers.bounded`); a server's workers do, its scheduler and the tools do not."""
+    `kvtier.tiers.bounded`); a server's workers do, its scheduler and the tools do not.
+    ``cpu_slot_bytes``: the payload of a full chunk, where the caller knows it (the connector):
+    the CPU tier is then a slab of such slots, pinned by ``cpu_pin`` (`kvtier.tiers.cpu`)."""
     tiers: list[Tier] = []
     if cfg.local_cpu and cfg.cpu_bytes > 0:
-        from kvtier.tiers.cpu import CpuTier
+        from kvtier.tiers.cpu import CpuSlabTier, CpuTier
 
-        tiers.append(CpuTier(cfg.cpu_bytes))
+        tiers.append(
+            CpuSlabTier(cfg.cpu_bytes, cpu_slot_bytes, cpu_pin)
+            if cpu_slot_bytes is not None
+            else CpuTier(cfg.cpu_bytes)
+        )
     if cfg.local_disk:
         from kvtier.tiers.disk import DiskTier
 

@@ -255,6 +255,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors = check_tensors(self.layout, kv_caches)
+        cuda = bool(tensors) and tensors[0].device.type == "cuda"
+        pin = None
+        if cuda:
+            from kvtier.vllm.blockcopy.pinned import pin_host_region
+
+            pin = pin_host_region
         store = open_store(
             self.cfg,
             self.fingerprint,
@@ -262,13 +268,15 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.object_chunks,
             disk_peers=self._peer_fingerprints,
             remote_maintain=True,
+            # The CPU tier as a slab of full chunks (kvtier.tiers.cpu), pinned on CUDA.
+            cpu_slot_bytes=self.layout.payload_nbytes(self.blocks_per_chunk),
+            cpu_pin=pin,
         )
         if store is None:
             return  # no tier left to use (logged): served without kvtier
         if self._events_on:
             self._reports = WorkerReports(self.cfg.namespace)
             store.report_chunks(self._reports)
-        cuda = bool(tensors) and tensors[0].device.type == "cuda"
         self._worker = WorkerSide(
             store,
             # CUDA: the pinned pools hold whole chunks, sized once (CPU: unused).

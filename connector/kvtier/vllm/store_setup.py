@@ -19,6 +19,7 @@ from kvtier.config import ConfigError, KvtierConfig
 from kvtier.prefix import RemotePrefix
 from kvtier.store import TieredStore
 from kvtier.tiers.base import TierError
+from kvtier.tiers.cpu import PinHost
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -39,11 +40,14 @@ def open_store(
     disk_maintain: bool = True,
     disk_peers: frozenset[str] = frozenset(),
     remote_maintain: bool = False,
+    cpu_slot_bytes: int | None = None,
+    cpu_pin: PinHost | None = None,
 ) -> TieredStore | None:
     """The store of ``cfg`` (None when it has no tier left to use); ``who`` names the process
     side in messages ("scheduler", "worker tp0"). ``disk_maintain``, ``disk_peers``,
     ``remote_maintain``: see `kvtier.tiers.tiers_from_config` (a scheduler that only looks up,
-    the other TP ranks, the workers that keep the remote tier's cap)."""
+    the other TP ranks, the workers that keep the remote tier's cap); ``cpu_slot_bytes``,
+    ``cpu_pin``: the worker's CPU tier as a slab (`kvtier.tiers.cpu.CpuSlabTier`)."""
 
     def store_of(c: KvtierConfig, chunks: int) -> TieredStore:
         return TieredStore.from_config(
@@ -53,6 +57,8 @@ def open_store(
             disk_maintain=disk_maintain,
             disk_peers=disk_peers,
             remote_maintain=remote_maintain,
+            cpu_slot_bytes=cpu_slot_bytes,
+            cpu_pin=cpu_pin,
         )
 
     try:

@@ -18,13 +18,15 @@
    rate until every chunk reached the store, against a plain pinned D2H copy of the same bytes
    in the same chunk-sized pieces. The store is a sink that gets the payloads as views of the
    pinned slots (no ``bytes`` copy on the path: checked), checksums them or not (xxh3, as the
-   real store's header does) and gives the slots back; or (``+cpu``) the real TieredStore with
-   a CPU tier (``--cpu-tier-gib``, 16), which checksums the chunks and copies them out of the
-   slots (a tier smaller than the run's bytes evicts, and its freed memory is reused). A probe
+   real store's header does) and gives the slots back; or the real TieredStore with a CPU tier
+   (``--cpu-tier-gib``, 16), which checksums the chunks and copies them out of the slots:
+   ``+cpu`` a ``bytes`` per chunk (the tier before the slab), ``+slab`` the connector's pinned
+   slab of chunk slots (a tier smaller than the run's bytes evicts and reuses). A probe
    thread sleeping 1 ms in a loop measures how long the save path held the GIL (how late it
    woke: vLLM's thread would have waited as long).
 3. **Loads** (``loads``): `scatter_many` of 32 chunks from fetched payloads (``bytes``: pageable
-   memory, as the tiers return them), streamed, against a plain pinned H2D copy of the same bytes.
+   memory, as the disk and S3 tiers return them), streamed, against a plain pinned H2D copy of
+   the same bytes; and of the same chunks read from the CPU tier's pinned slab (no bounce).
 4. **Lone chunk** (``lone``): one 7B/256-token chunk gathered and scattered alone.
 5. **FP8** (``fp8``): an FP8 KV cache (uint8 pages, as vLLM allocates them for
    ``--kv-cache-dtype fp8``) gathered and scattered into another: bit-exact.
@@ -151,14 +153,22 @@ class _Store:
 
 class _TieredSink(_Store):
     """The real store's save path: a TieredStore with a CPU tier (the chunks checksummed and
-    copied out of the lent slots, evicting the oldest), counted like `_Store`."""
+    copied out of the lent slots, evicting the oldest), counted like `_Store`. ``slot_bytes``:
+    the connector's CPU tier, a pinned slab of such slots; None: a ``bytes`` per chunk (the
+    tier before the slab)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, slot_bytes: int | None = None) -> None:
         from kvtier.store import TieredStore
-        from kvtier.tiers.cpu import CpuTier
+        from kvtier.tiers.cpu import CpuSlabTier, CpuTier
+        from kvtier.vllm.blockcopy.pinned import pin_host_region
 
         super().__init__()
-        self.store = TieredStore([CpuTier(capacity_bytes)], "00" * 16)
+        tier = (
+            CpuTier(capacity_bytes)
+            if slot_bytes is None
+            else CpuSlabTier(capacity_bytes, slot_bytes, pin_host_region)
+        )
+        self.store = TieredStore([tier], "00" * 16)
 
     def get_many(self, refs: Sequence[Any]) -> list[bytes | None]:
         return self.store.get_many(refs)
@@ -312,7 +322,7 @@ def _plain(nbytes: int, pieces: int, to_host: bool) -> float:
     return statistics.median(best)
 
 
-SINKS = ("views", "checksum", "cpu")
+SINKS = ("views", "checksum", "cpu", "slab")
 
 
 def saves(
@@ -338,8 +348,11 @@ def saves(
         layout, kv = _caches(shape, 1024)
         compute = torch.cuda.Stream()
         torch.cuda.set_stream(compute)
+        tier_bytes = int(cpu_tier_gib * (1 << 30))
         store: Any = (
-            _Store(checksum=summed) if sink != "cpu" else _TieredSink(int(cpu_tier_gib * (1 << 30)))
+            _TieredSink(tier_bytes, layout.payload_nbytes(blocks) if sink == "slab" else None)
+            if sink in ("cpu", "slab")
+            else _Store(checksum=summed)
         )
         copier = BlockCopier(
             layout,
@@ -394,12 +407,12 @@ def saves(
         plain = _plain(nbytes, total_chunks, to_host=True)
         rate = total_chunks * nbytes / elapsed / 1e9
         plain_rate = total_chunks * nbytes / plain / 1e9
-        name = {"views": shape, "checksum": f"{shape} +checksum", "cpu": f"{shape} +cpu"}[sink]
+        name = shape if sink == "views" else f"{shape} +{sink}"
         out[name] = {
             "forward_ms": forward_ms,
             "checksum_in_sink": summed,
             "sink": sink,
-            "cpu_tier_gib": cpu_tier_gib if sink == "cpu" else 0,
+            "cpu_tier_gib": cpu_tier_gib if sink in ("cpu", "slab") else 0,
             **gil,
             "chunk_bytes": nbytes,
             "step_bytes": chunks * nbytes,
@@ -460,6 +473,7 @@ def loads(reps: int) -> dict[str, Any]:
         for _ in range(8):
             _parallel_copy(pinned, src)
         bounce = 8 * nbytes / (time.perf_counter() - t0) / 1e9
+        slab_took = _loads_from_slab(copier, compute, payloads, blocks, chunks, reps, rng)
         out[shape] = {
             "chunk_bytes": nbytes,
             "chunks": chunks,
@@ -467,6 +481,8 @@ def loads(reps: int) -> dict[str, Any]:
             "plain_h2d_GBps": chunks * nbytes / plain / 1e9,
             "ratio": plain / took,
             "bounce_GBps": bounce,
+            "slab_load_GBps": chunks * nbytes / slab_took / 1e9,
+            "slab_ratio": plain / slab_took,
         }
         print(f"loads {shape}: {out[shape]}", flush=True)
         copier.close()
@@ -474,6 +490,47 @@ def loads(reps: int) -> dict[str, Any]:
         del kv
         torch.cuda.empty_cache()
     return out
+
+
+def _loads_from_slab(
+    copier: Any,
+    compute: Any,
+    payloads: Sequence[bytes],
+    blocks: int,
+    chunks: int,
+    reps: int,
+    rng: random.Random,
+) -> float:
+    """Median seconds of `scatter_many` of ``chunks`` chunks read from the connector's CPU
+    tier (a pinned slab: `kvtier.tiers.cpu.CpuSlabTier`), as `loads` times the pageable ones."""
+    import torch
+
+    from kvtier.tiers.cpu import CpuSlabTier
+    from kvtier.vllm.blockcopy.pinned import pin_host_region
+
+    nbytes = len(payloads[0])
+    tier = CpuSlabTier(chunks * nbytes, nbytes, pin_host_region)
+    for k in range(chunks):
+        tier.put(f"c{k}", b"", payloads[k % len(payloads)])
+    times = []
+    for _ in range(reps + 1):
+        got = [tier.get(f"c{k}") for k in range(chunks)]
+        ids = rng.sample(range(1024), chunks * blocks)
+        items = [
+            (g[1], blocks, 0, ids[k * blocks : (k + 1) * blocks])
+            for k, g in enumerate(got)
+            if g is not None
+        ]
+        assert len(items) == chunks
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copier.scatter_many(items)
+        compute.synchronize()
+        times.append(time.perf_counter() - t0)
+        del got, items
+    copier.synchronize()
+    tier.close()
+    return statistics.median(times[1:])
 
 
 def lone(reps: int) -> dict[str, Any]:

@@ -446,3 +446,40 @@ def test_gather_many_of_an_fp8_kv_cache_is_bit_exact() -> None:
     for ids, buf in zip(chunks, bufs, strict=True):
         assert bytes(buf.view()) == _reference(src, ids, layout.variant)
         buf.release()
+
+
+def test_a_load_from_the_pinned_cpu_slab_needs_no_bounce_and_holds_its_slot() -> None:
+    """The connector's CPU tier (a slab pinned by pin_host_region): a chunk read from it is
+    copied to the device from where it lies (no bounce slot taken), bit-exact, and its slot
+    stays leased until the copy has read it, even with the reader's references gone and the
+    chunk evicted: a save that lands in the freed slot must not reach the blocks."""
+    from kvtier.tiers.base import TierError
+    from kvtier.tiers.cpu import CpuSlabTier
+
+    layout, src = _caches("LBNHC")
+    _, dst = _caches("LBNHC")
+    ids, target = [4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 6, 7]
+    payload = BlockCopier(layout, src).gather(ids)
+    tier = CpuSlabTier(len(payload), len(payload), pinned.pin_host_region)
+    assert pinned.in_pinned_region(tier._base, len(payload))
+    tier.put("a", b"", payload)
+    copier = BlockCopier(layout, dst, max_blocks=6)
+    got = tier.get("a")
+    assert got is not None
+    free_before = list(copier._cuda.pool._free)
+    with torch.cuda.stream(copier._cuda.stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream is late: the DMA has not read yet
+    copier.scatter(got[1], 6, 0, target)
+    assert copier._cuda.pool._free == free_before  # no bounce slot was taken
+    del got
+    with pytest.raises(TierError) as err:  # evicts a, but its one slot is still being read
+        tier.put("b", b"", b"\0" * len(payload))
+    assert err.value.cause == "slots_leased" and not tier.contains("a")
+    torch.cuda.current_stream().synchronize()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(_bits(s[ids]), _bits(d[target]))
+    copier.scatter(payload, 6, 0, target)  # a later call lets go of what has landed
+    tier.put("b", b"", b"\0" * len(payload))  # the slot is free again
+    copier.close()
+    tier.close()
+    assert not pinned.in_pinned_region(tier._base, len(payload))

@@ -14,7 +14,9 @@ Imported only when vLLM's KV cache is on a CUDA device (the CPU build never impo
   so vLLM's thread spends a fixed few hundred microseconds per step, not one launch per chunk.
 - scatter (a load), on the same stream, after the compute stream's work: one DMA from a pinned
   slot (a pageable payload is first copied into one, outside the copy lock, so a long load
-  never holds up the other thread's copies) into staging, one launch into the pages. A load
+  never holds up the other thread's copies; a payload in memory pinned by `pin_host_region`,
+  the CPU tier's slab, is copied from where it is and held until the DMA has read it) into
+  staging, one launch into the pages. A load
   the forward pass waits for: the compute stream waits for it, the host does not. A load in
   the background (``wait=True``, in a loading thread): the thread waits for an event recorded
   after its writes, so the request is reported loaded only once its blocks hold the data.
@@ -52,7 +54,7 @@ from kvtier.vllm.blockcopy.host_buffer import (
     seconds_left,
     slot_deadline,
 )
-from kvtier.vllm.blockcopy.pinned import PinnedHostBuffer, PinnedPool
+from kvtier.vllm.blockcopy.pinned import PinnedHostBuffer, PinnedPool, in_pinned_region
 from kvtier.vllm.layout import KVLayout, LayoutError, PageGeometry, page_geometry
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,8 @@ class CudaBlockCopier:
         self._staging_bytes = STAGING_BYTES if staging_bytes is None else staging_bytes
         self._ids: _IdsRing | None = None
         self._many_ids: _IdsRing | None = None  # a step's saves: ids and staging offsets
+        #: (event, tensor) of loads copied straight from another's pinned memory, oldest first.
+        self._held_sources: deque[tuple[Any, Any]] = deque()
         if max_blocks:  # both pools now: pinning them mid-step would stall it
             self._ensure_capacity(layout.payload_nbytes(max_blocks))
             self._ensure_capacity(layout.payload_nbytes(max_blocks), saves=True)
@@ -269,6 +273,7 @@ class CudaBlockCopier:
         count = len(block_id_lists)
         if count == 0:
             return []
+        self._drop_finished_sources()  # a step's call: loads' sources are let go in time
         sizes = [len(ids) for ids in block_id_lists]
         nbytes = [self.layout.payload_nbytes(n) for n in sizes]
         pool = self._ensure_capacity(max(nbytes), saves=True)
@@ -459,6 +464,7 @@ class CudaBlockCopier:
                 after.record(self._compute_stream())
             s.wait_event(after)
         done = torch.cuda.Event()
+        self._drop_finished_sources()
         for payload, stored, first, block_ids in items:
             nbytes = self.layout.payload_nbytes(stored)
             # The bounce (pageable -> pinned, a host memcpy) runs outside the lock.
@@ -468,19 +474,33 @@ class CudaBlockCopier:
                     assert self._ids is not None
                     ids = self._ids.put(block_ids, s)
                     self._staging[:nbytes].copy_(src, non_blocking=True)
-                    pool.record(slot, s)
+                    if pool is not None:
+                        pool.record(slot, s)
+                    else:  # another's pinned memory: held until the copy has read it
+                        self._held_sources.append((done, src))
                     self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
                     done.record(s)
             finally:
-                if bounce:
+                if bounce and pool is not None:
                     pool.release(slot)
         if wait:
             done.synchronize()
             return
         self._compute_stream().wait_event(done)
 
-    def _pinned_source(self, payload: Payload, nbytes: int) -> tuple[Any, PinnedPool, int, bool]:
-        """(pinned uint8 tensor of the payload, its pool, slot, whether the slot is ours)."""
+    def _drop_finished_sources(self) -> None:
+        """Let go of the pinned sources whose copies have landed (their lenders may reuse
+        them: a CPU tier's slot is leased while a tensor over it lives)."""
+        with self._lock:
+            while self._held_sources and self._held_sources[0][0].query():
+                self._held_sources.popleft()
+
+    def _pinned_source(
+        self, payload: Payload, nbytes: int
+    ) -> tuple[Any, PinnedPool | None, int, bool]:
+        """(pinned uint8 tensor of the payload, its pool, slot, whether the slot is ours).
+        No pool: the payload lies in memory pinned by `pin_host_region` (the CPU tier's slab),
+        copied from where it is; the caller holds the tensor until the copy has read it."""
         pool = self._ensure_capacity(nbytes)
         if isinstance(payload, PinnedHostBuffer):  # ours or another copier's: pinned either way
             payload.wait()
@@ -495,6 +515,8 @@ class CudaBlockCopier:
                 slot, offset = where
                 mine.wait(slot)
                 return mine.tensor(slot, nbytes, offset), mine, slot, False
+        if in_pinned_region(int(src.data_ptr()), nbytes):
+            return src, None, -1, False
         slot = pool.acquire()
         dst = pool.tensor(slot, nbytes)
         _parallel_copy(dst, src)
@@ -552,6 +574,7 @@ class CudaBlockCopier:
     def close(self) -> None:
         with self._lock:
             self.stream.synchronize()
+            self._held_sources.clear()
             for pool in (self._pool, self._save_pool):
                 if pool is not None:
                     pool.close()

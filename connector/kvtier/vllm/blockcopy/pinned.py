@@ -8,7 +8,7 @@ import logging
 import mmap
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,45 @@ def _pinned_host_memory(nbytes: int) -> tuple[Any, str, Any]:
     except (AttributeError, RuntimeError, OSError) as exc:
         log.debug("kvtier: cudaHostRegister unavailable (%s); using torch's pinned allocator", exc)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pin_memory", None
+
+
+#: Host memory page-locked by `pin_host_region` (others' buffers, e.g. the CPU tier's slab):
+#: (start, end) address ranges. A payload inside one goes to the device with no bounce.
+_regions: list[tuple[int, int]] = []
+_regions_lock = threading.Lock()
+
+
+def pin_host_region(address: int, nbytes: int) -> Callable[[], None]:
+    """Page-lock ``nbytes`` of host memory at ``address`` (`kvtier.tiers.cpu.PinHost`): the
+    CPU tier's slab, so that loads from it need no bounce. Returns the function that unlocks
+    it. Where the memory cannot be locked (a memlock limit, no CUDA), it is logged once and the
+    region stays pageable: loads from it bounce, as from any other tier."""
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        log.warning(
+            "kvtier: cannot pin the CPU tier's %d bytes (cudaHostRegister: %s); loads from it "
+            "go through a bounce buffer (raise the memlock limit: LimitMEMLOCK=infinity)",
+            nbytes,
+            err,
+        )
+        return lambda: None
+    with _regions_lock:
+        _regions.append((address, address + nbytes))
+
+    def unpin() -> None:
+        with _regions_lock:
+            if (address, address + nbytes) not in _regions:
+                return
+            _regions.remove((address, address + nbytes))
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+    return unpin
+
+
+def in_pinned_region(address: int, nbytes: int) -> bool:
+    """Whether ``nbytes`` at ``address`` lie inside memory `pin_host_region` locked."""
+    with _regions_lock:
+        return any(start <= address and address + nbytes <= end for start, end in _regions)
 
 
 class PinnedPool:
