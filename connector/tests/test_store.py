@@ -15,13 +15,19 @@ from kvtier.config import load_config
 from kvtier.format import HEADER_SIZE
 from kvtier.stats import FILL_FIELDS, StoreStats, read_stats_dir, store_deltas, without_fill
 from kvtier.store import TieredStore
-from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.cpu import CpuSlabTier, CpuTier
 from kvtier.tiers.disk import DiskTier
 
 
-def _store(tmp_path: Path, cpu: int = 64 << 20, **kw: object) -> TieredStore:
+def _store(
+    tmp_path: Path, cpu: int = 64 << 20, slab_slot: int | None = None, **kw: object
+) -> TieredStore:
+    """CPU (``slab_slot``: a slab of such slots, as the connector's worker has) and disk."""
     return TieredStore(
-        [CpuTier(cpu), DiskTier(str(tmp_path / "disk"), 256 << 20)],
+        [
+            CpuTier(cpu) if slab_slot is None else CpuSlabTier(cpu, slab_slot),
+            DiskTier(str(tmp_path / "disk"), 256 << 20),
+        ],
         FINGERPRINT,
         **kw,  # type: ignore[arg-type]
     )
@@ -253,7 +259,8 @@ def test_tier_fill_is_reported_whole_first_then_by_change(tmp_path: Path) -> Non
         assert lookups_only["tier.disk.puts"] == 3
 
 
-def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slab", [False, True], ids=["bytes", "slab"])
+def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path, slab: bool) -> None:
     """A save slot lent to the store (kvtier.vllm.worker): the CPU tier keeps its own copy, the
     disk tier writes from the view, and `on_done` comes once the writes have ended; the
     buffer may then be reused without changing what the tiers hold."""
@@ -261,7 +268,7 @@ def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path) -> 
     slot = bytearray(b"".join(p for _, p in data))
     size = len(data[0][1])
     given_back: list[bool] = []
-    with _store(tmp_path) as store:
+    with _store(tmp_path, slab_slot=size if slab else None) as store:
         views = [memoryview(slot)[i * size : (i + 1) * size] for i in range(2)]
         store.put_run(
             [(h, v, 256) for (h, _), v in zip(data, views, strict=True)],
@@ -275,14 +282,20 @@ def test_a_lent_view_is_written_by_the_tiers_then_given_back(tmp_path: Path) -> 
         assert store.get(data[0][0]) == data[0][1]  # the disk tier's, written from the view
 
 
-def test_a_large_lent_run_goes_into_cpu_copies_the_slot_does_not_share(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slab", [False, True], ids=["bytes", "slab"])
+def test_a_large_lent_run_goes_into_cpu_copies_the_slot_does_not_share(
+    tmp_path: Path, slab: bool
+) -> None:
     """A GPU step's run (here 4 chunks of 8 MiB, copied without the GIL: kvtier.hostmem): the
-    CPU tier's copies are bytes that survive the slot's reuse, and every tier's blob verifies."""
+    CPU tier's copies (bytes, or slots of its slab) survive the slot's reuse, and every tier's
+    blob verifies."""
     data = chunks(4, size=8 << 20, seed=3)
     slot = bytearray(b"".join(p for _, p in data))
     size = len(data[0][1])
     given_back: list[bool] = []
-    with _store(tmp_path, cpu=256 << 20, object_chunks=4) as store:
+    with _store(
+        tmp_path, cpu=256 << 20, slab_slot=size if slab else None, object_chunks=4
+    ) as store:
         views = [memoryview(slot)[i * size : (i + 1) * size] for i in range(4)]
         store.put_run(
             [(h, v, 256) for (h, _), v in zip(data, views, strict=True)],
@@ -292,7 +305,9 @@ def test_a_large_lent_run_goes_into_cpu_copies_the_slot_does_not_share(tmp_path:
         slot[:] = bytes(len(slot))  # the slot is reused
         cpu = store.tiers[0]
         kept = [cpu.get(store.key(h)) for h, _ in data]
-        assert all(item is not None and type(item[1]) is bytes for item in kept)
+        assert all(item is not None for item in kept)
+        kinds = {type(item[1]) for item in kept if item is not None}
+        assert kinds == ({memoryview} if slab else {bytes})
         assert store.get_many([h for h, _ in data]) == [p for _, p in data]  # CPU, verified
         for h, _ in data:
             cpu.delete(store.key(h))
