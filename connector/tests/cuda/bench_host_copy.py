@@ -4,8 +4,9 @@
 
 In 1, 2 and 4 threads, for a 7B model's chunk (14.7 MB): copies into fresh ``bytes`` (what the
 CPU tier keeps, `kvtier.hostmem.owned_copy`; new pages each time, as a tier that fills), into
-slots of a buffer faulted in once and reused, and xxh3 (the store's checksum). No GPU needed;
-the figures in docs/benchmarks.md are from the lent GPU machine's host.
+slots of a buffer faulted in once and reused, and xxh3 (the store's checksum); then the CPU
+tiers themselves, `put` of lent views into a tier of 32 chunks that evicts: ``CpuTier`` (a
+``bytes`` per chunk) and ``CpuSlabTier`` (the connector's slab, unpinned here). No GPU needed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import xxhash
 
 from kvtier.hostmem import owned_copy
+from kvtier.tiers.cpu import CpuSlabTier, CpuTier
 
 CHUNK = 14_680_064  # 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes x 256 tokens
 SLOTS = 8
@@ -63,10 +65,27 @@ def main() -> int:
     def hashed(i: int) -> None:
         xxhash.xxh3_64_intdigest(sources[i])
 
+    tiers = {"bytes": CpuTier(32 * CHUNK), "slab": CpuSlabTier(32 * CHUNK, CHUNK)}
+    puts = [0] * 4
+
+    def put_into(kind: str) -> Callable[[int], None]:
+        def put(i: int) -> None:
+            puts[i] += 1
+            tiers[kind].put(f"{i}-{puts[i]}", b"", memoryview(sources[i]))  # type: ignore[arg-type]
+
+        return put
+
     result: dict[str, dict[str, float]] = {}
-    for name, fn in [("fresh bytes", fresh), ("reused slots", reused), ("xxh3", hashed)]:
+    for name, fn in [
+        ("fresh bytes", fresh),
+        ("reused slots", reused),
+        ("xxh3", hashed),
+        ("CpuTier.put", put_into("bytes")),
+        ("CpuSlabTier.put", put_into("slab")),
+    ]:
+        _rate(fn, 1, 40)  # warm-up: the slab's pages are faulted in on first use, once
         result[name] = {f"{t} threads": _rate(fn, t, 40 if t == 1 else 20) for t in (1, 2, 4)}
-        print(f"{name:13s}", " | ".join(f"{k} {v:.1f} GB/s" for k, v in result[name].items()))
+        print(f"{name:16s}", " | ".join(f"{k} {v:.1f} GB/s" for k, v in result[name].items()))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
