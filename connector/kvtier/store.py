@@ -368,7 +368,7 @@ class TieredStore:
             self._count_read(tier, time.perf_counter() - start, [payload])
             if payload is not None and item is not None:
                 self._promote([(key, item)], level)
-                return payload
+                return self._pinned_copy(key, payload) if level else payload
         return None
 
     def _get_object(
@@ -395,7 +395,20 @@ class TieredStore:
             promoted.append((self.key(ref.chunk_id), blobs[ref.position]))
         self._count_read(remote, time.perf_counter() - start, payloads)
         self._promote(promoted, self.tiers.index(remote))
-        return payloads
+        return [
+            self._pinned_copy(self.key(ref.chunk_id), p) if p is not None else None
+            for ref, p in zip(refs, payloads, strict=True)
+        ]
+
+    def _pinned_copy(self, key: str, payload: bytes) -> bytes:
+        """The CPU tier's copy of a chunk just promoted into it, where that tier is pinned
+        (kvtier.tiers.cpu.CpuSlabTier on CUDA): the load then goes to the GPU from there with
+        no bounce, and the promotion's copy is the only one. Else ``payload``."""
+        cpu = self.tiers[0]
+        if not getattr(cpu, "pinned", False):
+            return payload
+        item = self._guard(cpu, "get", key, partial(cpu.get, key), None)
+        return item[1] if item is not None else payload
 
     def _promote(self, items: Sequence[tuple[str, Stored]], level: int) -> None:
         for tier in self.tiers[:level]:

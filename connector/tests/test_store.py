@@ -323,3 +323,25 @@ def test_a_lent_view_comes_back_when_its_write_is_dropped(tmp_path: Path) -> Non
             on_done=lambda: given_back.append(True),
         )
         assert given_back == [True] and store.stats().dropped_writes == 1
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_a_lower_tier_hit_is_served_from_a_pinned_cpu_tier_copy(
+    tmp_path: Path, pinned: bool
+) -> None:
+    """A chunk read from disk is promoted into the CPU tier; where that tier is pinned (a slab
+    on CUDA) the read returns the CPU tier's copy, so the load needs no bounce of its own."""
+    data = chunks(2)
+    size = len(data[0][1])
+    pin = (lambda address, nbytes: lambda: None) if pinned else None
+    tiers = [CpuSlabTier(64 << 20, size, pin), DiskTier(str(tmp_path / "disk"), 256 << 20)]
+    with TieredStore(tiers, FINGERPRINT) as store:
+        for h, p in data:
+            store.put(h, p, 256)
+        assert store.flush(10)
+        for h, _ in data:
+            store.tiers[0].delete(store.key(h))
+        got = store.get_many([h for h, _ in data])
+        assert got == [p for _, p in data]
+        assert [type(p) for p in got] == [memoryview if pinned else bytes] * 2
+        assert all(store.tiers[0].contains(store.key(h)) for h, _ in data)  # promoted

@@ -23,8 +23,8 @@ from kvtier.hostmem import copy_into, owned_copy
 from kvtier.tiers.base import Stored, Tier, TierError
 
 #: ``pin(address, nbytes)`` page-locks host memory for device copies and returns the function
-#: that unlocks it (kvtier.vllm.blockcopy.pinned.pin_host_region).
-PinHost = Callable[[int, int], Callable[[], None]]
+#: that unlocks it, or None where it could not (kvtier.vllm.blockcopy.pinned.pin_host_region).
+PinHost = Callable[[int, int], Callable[[], None] | None]
 
 
 class CpuTier(Tier):
@@ -147,6 +147,11 @@ class CpuSlabTier(CpuTier):
         self._evicted_leased: set[int] = set()
         self._closed = False
         self._unpin = pin(self._base, slots * slot_bytes) if pin is not None else None
+
+    @property
+    def pinned(self) -> bool:
+        """Page-locked for device copies (a load from it needs no bounce)."""
+        return self._unpin is not None
 
     def contains(self, key: str) -> bool:
         with self._lock:

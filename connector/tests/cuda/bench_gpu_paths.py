@@ -26,7 +26,9 @@
    woke: vLLM's thread would have waited as long).
 3. **Loads** (``loads``): `scatter_many` of 32 chunks from fetched payloads (``bytes``: pageable
    memory, as the disk and S3 tiers return them), streamed, against a plain pinned H2D copy of
-   the same bytes; and of the same chunks read from the CPU tier's pinned slab (no bounce).
+   the same bytes; of the same chunks read from the CPU tier's pinned slab (no bounce); and whole
+   loads through the real store of chunks the disk tier holds (read, verify, promote, copy),
+   with the CPU tier before the slab and with the slab.
 4. **Lone chunk** (``lone``): one 7B/256-token chunk gathered and scattered alone.
 5. **FP8** (``fp8``): an FP8 KV cache (uint8 pages, as vLLM allocates them for
    ``--kv-cache-dtype fp8``) gathered and scattered into another: bit-exact.
@@ -474,6 +476,10 @@ def loads(reps: int) -> dict[str, Any]:
             _parallel_copy(pinned, src)
         bounce = 8 * nbytes / (time.perf_counter() - t0) / 1e9
         slab_took = _loads_from_slab(copier, compute, payloads, blocks, chunks, reps, rng)
+        disk = {
+            kind: _loads_from_disk(copier, compute, payloads, blocks, chunks, reps, rng, kind)
+            for kind in ("bytes", "slab")
+        }
         out[shape] = {
             "chunk_bytes": nbytes,
             "chunks": chunks,
@@ -483,6 +489,7 @@ def loads(reps: int) -> dict[str, Any]:
             "bounce_GBps": bounce,
             "slab_load_GBps": chunks * nbytes / slab_took / 1e9,
             "slab_ratio": plain / slab_took,
+            **{f"disk_via_{k}_GBps": chunks * nbytes / t / 1e9 for k, t in disk.items()},
         }
         print(f"loads {shape}: {out[shape]}", flush=True)
         copier.close()
@@ -528,8 +535,65 @@ def _loads_from_slab(
         compute.synchronize()
         times.append(time.perf_counter() - t0)
         del got, items
-    copier.synchronize()
+    torch.cuda.synchronize()
     tier.close()
+    return statistics.median(times[1:])
+
+
+def _loads_from_disk(
+    copier: Any,
+    compute: Any,
+    payloads: Sequence[bytes],
+    blocks: int,
+    chunks: int,
+    reps: int,
+    rng: random.Random,
+    cpu_kind: str,
+) -> float:
+    """Median seconds of a whole load of ``chunks`` chunks that the disk tier holds (in the page
+    cache) through the real store: `get_many` (read, verify, promote into the CPU tier) then
+    `scatter_many`. ``cpu_kind`` "bytes": the CPU tier before the slab (the payload read from
+    disk bounces through a pinned slot); "slab": the connector's pinned slab (the load goes
+    from the promoted copy, no bounce)."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from kvtier.keys import chunk_hashes
+    from kvtier.store import TieredStore
+    from kvtier.tiers.cpu import CpuSlabTier, CpuTier
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.vllm.blockcopy.pinned import pin_host_region
+
+    nbytes = len(payloads[0])
+    root = tempfile.mkdtemp(prefix="kvtier-bench-disk-")
+    cpu = (
+        CpuTier(chunks * 2 * nbytes)
+        if cpu_kind == "bytes"
+        else CpuSlabTier(chunks * 2 * nbytes, nbytes, pin_host_region)
+    )
+    store = TieredStore([cpu, DiskTier(root, chunks * 2 * nbytes)], "00" * 16)
+    hashes = chunk_hashes(list(range(chunks * CHUNK)), CHUNK)
+    for k, h in enumerate(hashes):
+        store.put(h, payloads[k % len(payloads)], CHUNK)
+    store.flush(120)
+    times = []
+    for _ in range(reps + 1):
+        for h in hashes:
+            cpu.delete(store.key(h))  # from disk each time
+        ids = rng.sample(range(1024), chunks * blocks)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = store.get_many(hashes)
+        items = [(g, blocks, 0, ids[k * blocks : (k + 1) * blocks]) for k, g in enumerate(got)]
+        copier.scatter_many(items)
+        compute.synchronize()
+        times.append(time.perf_counter() - t0)
+        del got, items
+    torch.cuda.synchronize()
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
     return statistics.median(times[1:])
 
 

@@ -47,11 +47,11 @@ _regions: list[tuple[int, int]] = []
 _regions_lock = threading.Lock()
 
 
-def pin_host_region(address: int, nbytes: int) -> Callable[[], None]:
+def pin_host_region(address: int, nbytes: int) -> Callable[[], None] | None:
     """Page-lock ``nbytes`` of host memory at ``address`` (`kvtier.tiers.cpu.PinHost`): the
     CPU tier's slab, so that loads from it need no bounce. Returns the function that unlocks
-    it. Where the memory cannot be locked (a memlock limit, no CUDA), it is logged once and the
-    region stays pageable: loads from it bounce, as from any other tier."""
+    it; None where the memory cannot be locked (a memlock limit), logged: the region stays
+    pageable and loads from it bounce, as from any other tier."""
     err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
     if int(err) != 0:
         log.warning(
@@ -60,7 +60,7 @@ def pin_host_region(address: int, nbytes: int) -> Callable[[], None]:
             nbytes,
             err,
         )
-        return lambda: None
+        return None
     with _regions_lock:
         _regions.append((address, address + nbytes))
 
