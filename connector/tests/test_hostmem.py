@@ -1,11 +1,14 @@
-"""owned_copy: the CPU tier's copy of a lent buffer (kvtier.hostmem)."""
+"""owned_copy and copy_into: the CPU tier's copy of a lent buffer (kvtier.hostmem)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
+import pytest
 from _helpers import rss_bytes
 
+from kvtier import hostmem
 from kvtier.hostmem import GIL_FREE_MIN_BYTES, owned_copy
 
 
@@ -41,3 +44,15 @@ def test_copies_are_freed_once_dropped() -> None:
     for _ in range(100):
         owned_copy(source)
     assert rss_bytes() - before < 64 << 20
+
+
+@pytest.mark.parametrize("size", [(32 << 20) + 3, 48 << 20])
+def test_a_large_copy_in_parts_lands_whole(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """On a host with cores to spare a large copy goes in parts side by side (here forced):
+    every byte lands, from bytes and from a view, whatever the remainder."""
+    monkeypatch.setattr(hostmem, "_COPY_THREADS", 4)
+    data = os.urandom(size)
+    for source in (data, memoryview(bytearray(data))):
+        target = bytearray(size)
+        hostmem.copy_into(ctypes.addressof((ctypes.c_char * size).from_buffer(target)), source)
+        assert target == data
