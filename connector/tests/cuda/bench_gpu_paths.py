@@ -4,6 +4,8 @@
         --out DIR [--iters 1000]
     python connector/tests/cuda/bench_gpu_paths.py --plot DIR/bench_gpu_paths.json --png F.png
     python connector/tests/cuda/bench_gpu_paths.py --plot-steps OLD.json NEW.json --png F.png
+    python connector/tests/cuda/bench_gpu_paths.py --plot-cpu-tiers SAVES.json... LOADS.json \
+        --png F.png
 
 1. **Stream order** (``order``): vLLM's threading reproduced. The main thread computes on a
    dedicated stream it set (as vLLM's GPU model runner does), and clears the target blocks on
@@ -682,10 +684,13 @@ def main() -> int:
     ap.add_argument("--cpu-tier-gib", type=float, default=16.0)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--plot-steps", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--plot-cpu-tiers", type=Path, nargs="+", metavar="SAVES... LOADS")
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
     if args.plot:
         return _plot(args.plot, args.png)
+    if args.plot_cpu_tiers:
+        return _plot_cpu_tiers(args.plot_cpu_tiers[:-1], args.plot_cpu_tiers[-1], args.png)
     if args.plot_steps:
         return _plot_steps(*args.plot_steps, args.png)
     import torch
@@ -768,6 +773,51 @@ def _plot_steps(before: Path, after: Path, png: Path | None) -> int:
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(png or after.with_suffix(".steps.png"))
+    return 0
+
+
+def _plot_cpu_tiers(saves_runs: Sequence[Path], loads_run: Path, png: Path | None) -> int:
+    """The CPU tier before and with the slab: each saves run's rate (bars, GB/s), and the
+    loads' rates from pageable payloads, from the slab and through the store from disk."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(saves_runs) + 1, figsize=(4.5 * (len(saves_runs) + 1), 3.8))
+    for ax, path in zip(axes, saves_runs, strict=False):
+        saves = json.loads(path.read_text())["saves"]
+        names = list(saves)
+        ax.bar(names, [saves[n]["saved_GBps"] for n in names])
+        for i, n in enumerate(names):
+            ax.annotate(f"{saves[n]['dropped_chunks']} dropped", (i, saves[n]["saved_GBps"]))
+        forward = saves[names[0]]["forward_ms"]
+        ax.set_title(f"saves, {forward:.0f} ms forwards" if forward else "saves, back to back")
+        ax.set_ylabel("GB/s saved")
+        ax.tick_params(axis="x", rotation=30)
+    loads = json.loads(loads_run.read_text())["loads"]
+    kinds = {
+        "plain pinned H2D": "plain_h2d_GBps",
+        "pageable (bounce)": "load_GBps",
+        "CPU slab": "slab_load_GBps",
+        "disk via bytes tier": "disk_via_bytes_GBps",
+        "disk via slab": "disk_via_slab_GBps",
+    }
+    ax = axes[-1]
+    width = 0.8 / len(kinds)
+    for k, (label, key) in enumerate(kinds.items()):
+        ax.bar(
+            [i + k * width for i in range(len(loads))],
+            [loads[shape][key] for shape in loads],
+            width,
+            label=label,
+        )
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))], list(loads))
+    ax.set_title("loads, 32 chunks")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png or loads_run.with_suffix(".tiers.png"))
     return 0
 
 
