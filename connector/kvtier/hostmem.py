@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 #: Below this a copy is short enough to make under the GIL.
 GIL_FREE_MIN_BYTES = 1 << 20
@@ -44,7 +44,12 @@ def _memmove_parts(address: int, source: int, nbytes: int) -> None:
         _pool.submit(ctypes.memmove, address + at, source + at, min(part, nbytes - at))
         for at in range(part, nbytes, part)
     ]
-    ctypes.memmove(address, source, min(part, nbytes))  # the first part here
+    try:
+        ctypes.memmove(address, source, min(part, nbytes))  # the first part here
+    finally:
+        # Every part has ended before this returns or raises: the caller may reuse the
+        # memory at once (an interrupted copy must not write into it later).
+        wait(jobs)
     for job in jobs:
         job.result()
 

@@ -95,9 +95,9 @@ def test_slab_slot_of_a_read_chunk_is_not_reused_until_the_reader_lets_go() -> N
     assert not tier.contains("a") and not tier.contains("b")
     assert bytes(part) == b"a" * 100  # never another chunk's bytes
     reading_c = tier.get("c")
-    with pytest.raises(TierError) as err:  # c evicted too, and still no free slot
+    with pytest.raises(TierError) as err:  # no slot is free, and c's is read: c stays
         tier.put("d", b"", b"d" * 900)
-    assert err.value.cause == "slots_leased"
+    assert err.value.cause == "slots_leased" and tier.contains("c")
     assert reading_c is not None and bytes(reading_c[1]) == b"c" * 900
     del part  # the last reader of a's slot lets go: it is free again
     tier.put("d", b"", b"d" * 900)
@@ -147,3 +147,16 @@ def test_slab_memory_is_the_slab_whatever_is_put() -> None:
     assert growth <= cap + 2 * blob_size, f"RSS grew {growth >> 20} MiB for a {cap >> 20} MiB slab"
     del got
     tier.close()
+
+
+def test_slab_makes_a_slot_by_evicting_what_nobody_reads() -> None:
+    """With the oldest chunks being read, a put evicts the oldest one nobody reads, never the
+    read ones (evicting them frees no slot; it would only empty the tier)."""
+    tier = _slab(3)
+    for k in "abc":
+        tier.put(k, b"", k.encode() * 300)  # 900 bytes of 3000: the slots, not the bytes, run out
+    reading = [tier.get("a"), tier.get("b")]
+    tier.get("c")  # c is the most recent, and nobody holds it
+    tier.put("d", b"", b"d" * 300)
+    assert [tier.contains(k) for k in "abcd"] == [True, True, False, True]
+    assert all(r is not None for r in reading)

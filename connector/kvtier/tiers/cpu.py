@@ -136,7 +136,7 @@ class CpuSlabTier(CpuTier):
         super().__init__(capacity_bytes)
         self.slot_bytes = slot_bytes
         self.slots = slots
-        self._slab = mmap.mmap(-1, slots * slot_bytes)
+        self._slab = mmap.mmap(-1, slots * slot_bytes, flags=mmap.MAP_PRIVATE)
         #: One export of the whole slab for its address (ctypes keeps it alive).
         self._whole = (ctypes.c_char * (slots * slot_bytes)).from_buffer(self._slab)
         self._base = ctypes.addressof(self._whole)
@@ -167,7 +167,8 @@ class CpuSlabTier(CpuTier):
             self._leases[slot] += 1
         try:
             lease = self._slot_type.from_buffer(self._slab, slot * self.slot_bytes)
-            weakref.finalize(lease, self._unlease, slot)
+            # Not at interpreter exit: a device copy may still read the slot then.
+            weakref.finalize(lease, self._unlease, slot).atexit = False
         except BaseException:
             self._unlease(slot)
             raise
@@ -191,20 +192,22 @@ class CpuSlabTier(CpuTier):
 
     def put(self, key: str, header: bytes, payload: bytes) -> None:
         size = self._check_size(header, payload)
-        nbytes = len(payload)
+        nbytes = memoryview(payload).nbytes  # what copy_into copies, whatever the item size
         if nbytes > self.slot_bytes:
             raise TierError("too_large", f"{nbytes} bytes exceed the slot of {self.slot_bytes}")
         with self._lock:
             evicted = self._make_room_locked(key, size)
-            if not self._free:
-                self._report(evicted)
-                raise TierError("slots_leased", "every slot of the CPU tier is being read")
-            slot = self._free.pop()  # in no index yet: nobody reads it while it is filled
+            # In no index yet: nobody reads it while it is filled.
+            slot = self._free.pop() if self._free else None
+        if slot is None:
+            self._report(evicted)
+            raise TierError("slots_leased", "every slot of the CPU tier is being read")
         try:
             copy_into(self._base + slot * self.slot_bytes, payload)
         except BaseException:
             with self._lock:
                 self._free.append(slot)
+            self._report(evicted)
             raise
         with self._lock:
             evicted += self._make_room_locked(key, size, slot_held=True)
@@ -213,26 +216,34 @@ class CpuSlabTier(CpuTier):
         self._report(evicted)
 
     def _make_room_locked(self, key: str, size: int, slot_held: bool = False) -> list[str]:
+        """Forget ``key``; evict the least recently used until ``size`` more bytes fit, then,
+        unless the caller holds a slot, the least recently used chunk nobody reads until a
+        slot is free (evicting a chunk being read frees no slot: it would only empty the
+        tier)."""
         self._forget_locked(key)
         evicted: list[str] = []
-        while self._index and (
-            self._used + size > self.capacity_bytes or not (slot_held or self._free)
-        ):
-            evicted.append(self._evict_oldest_locked())
+        while self._index and self._used + size > self.capacity_bytes:
+            evicted.append(self._evict_locked(next(iter(self._index))))
+        while not (slot_held or self._free):
+            unread = next((k for k, e in self._index.items() if not self._leases[e[1]]), None)
+            if unread is None:
+                break
+            evicted.append(self._evict_locked(unread))
         return evicted
 
-    def _evict_oldest_locked(self) -> str:
-        old, entry = self._index.popitem(last=False)
-        self._release_locked(entry)
+    def _evict_locked(self, key: str) -> str:
+        self._release_locked(self._index.pop(key))
         self._evictions += 1
-        return old
+        return key
 
     def _release_locked(self, entry: tuple[bytes, int, int]) -> None:
         header, slot, nbytes = entry
         self._used -= len(header) + nbytes
-        if self._leases[slot]:
-            self._evicted_leased.add(slot)  # freed by the last lease
-        else:
+        # Marked first, then freed by whoever takes it out of the set: here if nobody reads
+        # it, else the last lease (`_unlease`), even one that ends in between.
+        self._evicted_leased.add(slot)
+        if self._leases[slot] == 0 and slot in self._evicted_leased:
+            self._evicted_leased.discard(slot)
             self._free.append(slot)
 
     def _forget_locked(self, key: str) -> None:

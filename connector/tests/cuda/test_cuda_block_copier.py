@@ -14,6 +14,7 @@ device machine: ``PYTHONPATH=connector python -m pytest connector/tests/cuda -q`
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 import time
@@ -483,3 +484,20 @@ def test_a_load_from_the_pinned_cpu_slab_needs_no_bounce_and_holds_its_slot() ->
     copier.close()
     tier.close()
     assert not pinned.in_pinned_region(tier._base, len(payload))
+
+
+def test_a_pin_that_fails_leaves_no_error_for_the_next_kernel() -> None:
+    """A failed cudaHostRegister (here: the region is pinned already) is logged and the region
+    served unpinned; the runtime error it left must not surface in the next kernel launch on
+    this thread, where torch would raise it as its own (vLLM PR #50070)."""
+    import mmap
+
+    mem = mmap.mmap(-1, 1 << 20)
+    address = ctypes.addressof((ctypes.c_char * (1 << 20)).from_buffer(mem))
+    unpin = pinned.pin_host_region(address, 1 << 20)
+    assert unpin is not None
+    assert pinned.pin_host_region(address, 1 << 20) is None  # already registered: refused
+    x = torch.ones(1024, device="cuda")
+    assert int((x * 2).sum().item()) == 2048  # no stale error raised here
+    unpin()
+    assert not pinned.in_pinned_region(address, 1 << 20)

@@ -156,7 +156,8 @@ class CudaBlockCopier:
         self._staging_bytes = STAGING_BYTES if staging_bytes is None else staging_bytes
         self._ids: _IdsRing | None = None
         self._many_ids: _IdsRing | None = None  # a step's saves: ids and staging offsets
-        #: (event, tensor) of loads copied straight from another's pinned memory, oldest first.
+        #: (event after the copy, tensor) of loads copied straight from another's pinned
+        #: memory, oldest first.
         self._held_sources: deque[tuple[Any, Any]] = deque()
         if max_blocks:  # both pools now: pinning them mid-step would stall it
             self._ensure_capacity(layout.payload_nbytes(max_blocks))
@@ -476,8 +477,10 @@ class CudaBlockCopier:
                     self._staging[:nbytes].copy_(src, non_blocking=True)
                     if pool is not None:
                         pool.record(slot, s)
-                    else:  # another's pinned memory: held until the copy has read it
-                        self._held_sources.append((done, src))
+                    else:  # another's pinned memory: held until this copy has read it
+                        read = torch.cuda.Event()
+                        read.record(s)
+                        self._held_sources.append((read, src))
                     self._copy_pages(ids, len(block_ids), stored, first, to_payload=False)
                     done.record(s)
             finally:

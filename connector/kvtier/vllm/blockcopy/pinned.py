@@ -4,6 +4,7 @@ once and lent out as HostBuffers (kvtier.vllm.blockcopy.cuda; imported only on C
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import threading
@@ -22,6 +23,20 @@ log = logging.getLogger(__name__)
 POOL_WAIT_SECS = 30.0
 
 
+def _clear_runtime_error() -> None:
+    """Take back the error a failed CUDA runtime call left as this thread's last error: torch
+    checks each kernel launch with cudaGetLastError, so the next unrelated launch would raise
+    it as its own (vLLM PR #50070). torch binds no cudaGetLastError: it is called in the
+    libcudart torch loaded (none found, e.g. a static build: nothing to do)."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            path = next((ln.split()[-1] for ln in maps if "libcudart" in ln.split()[-1]), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as exc:
+        log.debug("kvtier: cannot clear the CUDA runtime's last error: %s", exc)
+
+
 def _pinned_host_memory(nbytes: int) -> tuple[Any, str, Any]:
     """A CPU uint8 tensor of exactly `nbytes` page-locked bytes: page-aligned anonymous memory
     registered with cudaHostRegister (torch's pinned allocator would round the size up to a
@@ -35,6 +50,7 @@ def _pinned_host_memory(nbytes: int) -> tuple[Any, str, Any]:
         err = cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)
         if int(err) == 0:
             return host, "cudaHostRegister", mem
+        _clear_runtime_error()
         log.debug("kvtier: cudaHostRegister failed (%s); using torch's pinned allocator", err)
     except (AttributeError, RuntimeError, OSError) as exc:
         log.debug("kvtier: cudaHostRegister unavailable (%s); using torch's pinned allocator", exc)
@@ -54,6 +70,7 @@ def pin_host_region(address: int, nbytes: int) -> Callable[[], None] | None:
     pageable and loads from it bounce, as from any other tier."""
     err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
     if int(err) != 0:
+        _clear_runtime_error()
         log.warning(
             "kvtier: cannot pin the CPU tier's %d bytes (cudaHostRegister: %s); loads from it "
             "go through a bounce buffer (raise the memlock limit: LimitMEMLOCK=infinity)",
@@ -69,7 +86,8 @@ def pin_host_region(address: int, nbytes: int) -> Callable[[], None] | None:
             if (address, address + nbytes) not in _regions:
                 return
             _regions.remove((address, address + nbytes))
-        torch.cuda.cudart().cudaHostUnregister(address)
+        if int(torch.cuda.cudart().cudaHostUnregister(address)) != 0:
+            _clear_runtime_error()
 
     return unpin
 
