@@ -51,14 +51,18 @@ def _disk(path: Path, **extra: object) -> dict[str, object]:
 
 
 def _fill(path: Path, stop: threading.Event) -> None:
-    """Another writer: keeps the filesystem at the brim (a file grown into every freed byte)."""
-    with open(path / "other-writer.bin", "wb") as f:
+    """Another writer: fills the filesystem to the brim, then holds what it took. kvtier must
+    then make room among its own chunks (a writer that grew into every byte kvtier freed won
+    that race on some machines every time, and nothing kvtier wrote last was left to read)."""
+    fd = os.open(path / "other-writer.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
         while not stop.is_set():
             try:
-                f.write(bytes(256 << 10))
-                f.flush()
+                os.write(fd, bytes(256 << 10))
             except OSError:
-                time.sleep(0.05)  # full: try again as soon as kvtier frees room
+                return  # full
+    finally:
+        os.close(fd)
 
 
 def test_a_disk_tier_filled_to_the_brim_evicts_and_keeps_serving(
