@@ -395,6 +395,8 @@ class TieredStore:
             promoted.append((self.key(ref.chunk_id), blobs[ref.position]))
         self._count_read(remote, time.perf_counter() - start, payloads)
         self._promote(promoted, self.tiers.index(remote))
+        if not getattr(self.tiers[0], "pinned", False):
+            return payloads
         return [
             self._pinned_copy(self.key(ref.chunk_id), p) if p is not None else None
             for ref, p in zip(refs, payloads, strict=True)
