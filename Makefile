@@ -127,22 +127,30 @@ test-host:
 # (their timings must not share the cores), then the CUDA directory under the vLLM venv
 # (test-cuda-cpu). The last line sums the three.
 PYTEST_LOGS := reports/pytest-ci-unit.log reports/pytest-ci-e2e.log reports/pytest-ci-cuda.log
+PHASES := reports/ci-phases.txt
 
 test: test-host test-deps
-	@rm -f $(PYTEST_LOGS); rc=0; \
-	$(MAKE) --no-print-directory lint test-fleet vllm-venv || rc=1; \
-	if [ $$rc = 0 ]; then $(BIN)/molecule test -s default --destroy never || rc=1; fi; \
+	@rm -f $(PYTEST_LOGS) $(PHASES); rc=0; t=$$(date +%s); \
+	phase() { now=$$(date +%s); printf '%-28s %5d s\n' "$$1" $$((now - t)) >>$(PHASES); t=$$now; }; \
+	$(MAKE) --no-print-directory lint || rc=1; phase lint; \
+	if [ $$rc = 0 ]; then $(MAKE) --no-print-directory test-fleet || rc=1; phase "fleet scenario"; fi; \
+	if [ $$rc = 0 ]; then $(MAKE) --no-print-directory vllm-venv || rc=1; phase "vLLM venv"; fi; \
+	if [ $$rc = 0 ]; then $(BIN)/molecule test -s default --destroy never || rc=1; phase "default scenario"; fi; \
 	if [ $$rc = 0 ]; then \
 	  set -o pipefail; \
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not integration and not e2e" \
 	    --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-unit.log || rc=1; \
-	  $(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm \
-	    2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
+	  phase "unit tests"; \
+	  $(BIN)/pytest -m "integration or e2e" --durations=40 --ignore=connector/tests/cuda \
+	    --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
+	  phase "integration and e2e tests"; \
 	  $(MAKE) --no-print-directory test-cuda-cpu 2>&1 | tee reports/pytest-ci-cuda.log || rc=1; \
+	  phase "CUDA directory (CPU)"; \
 	fi; \
 	if [ -e $(SITE_WAS_UP) ] && [ $$rc = 0 ]; then \
 	  echo "make test: the embedded default's site is left running, as make deploy had left it"; \
 	else \
-	  $(BIN)/molecule destroy -s default || rc=1; \
+	  $(BIN)/molecule destroy -s default || rc=1; phase "default scenario destroy"; \
 	fi; \
+	echo "make test: where the time went"; cat $(PHASES); \
 	.ci/pytest-summary $(PYTEST_LOGS); exit $$rc
