@@ -18,10 +18,10 @@ from _helpers import FINGERPRINT, chunks
 from _s3 import S3Env, objects
 
 from kvtier.config import load_config
-from kvtier.format import HEADER_SIZE
+from kvtier.format import HEADER_SIZE, short_hash
 from kvtier.store import ChunkRef, TieredStore
 from kvtier.tiers.s3_boto3 import make_boto3_client
-from kvtier_tools.admin.chunks import count_chunks
+from kvtier_tools.admin.chunks import chunks_listed, count_chunks
 from kvtier_tools.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
@@ -87,6 +87,8 @@ def test_runs_of_chunks_are_one_object_each_found_and_read_back(
         assert store.lookup_remote(hashes).found == 10
         st = store.stats()
     assert st.tiers["s3"].hits == 10 and st.tiers["s3"].errors == {}
+    # Each chunk by its short hash, once: the three runs' and the new run's (kvtier bench soak).
+    assert chunks_listed(cfg, cfg.namespace) == {"s3": {short_hash(h) for h in [*hashes, *mine]}}
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvtier.config import KvtierConfig
+from kvtier.format import short_hash
 from kvtier.keys import ChunkKey
 from kvtier.tiers import persistent_tiers
 from kvtier.tiers.base import Tier
@@ -17,6 +18,32 @@ def chunks_held(tier: Tier, keys: list[str]) -> int:
     if not tier.remote:
         return len(keys)
     return sum(max(1, len(listed or ())) for listed in tier.heads(keys))
+
+
+def chunks_listed(
+    cfg: KvtierConfig, namespace: str, only: str | None = None
+) -> dict[str, set[str]]:
+    """The chunks stored under ``namespace`` per persistent tier, every layout together, each by
+    its short hash (`kvtier.format.short_hash`): an object of a run by the chunks it lists, any
+    other by its key. A chunk held twice (two objects, two layouts) is one. Raises `TierError`."""
+    held: dict[str, set[str]] = {}
+    for tier in persistent_tiers(cfg, only):
+        try:
+            keys = [k for k, _ in tier.list_keys(f"{namespace}/")]
+            chunks: set[str] = set()
+            # A remote object lists its chunks ([] for one chunk, None: gone since the listing).
+            lists: list[list[str] | None] = tier.heads(keys) if tier.remote else [[]] * len(keys)
+            for key, listed in zip(keys, lists, strict=True):
+                try:
+                    ChunkKey.parse(key)
+                except ValueError:
+                    continue  # not a chunk
+                if listed is not None:
+                    chunks.update(listed or (short_hash(key),))
+            held[tier.name] = chunks
+        finally:
+            tier.close()
+    return held
 
 
 def count_chunks(cfg: KvtierConfig, namespace: str, only: str | None = None) -> dict[str, int]:

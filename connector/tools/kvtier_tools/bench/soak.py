@@ -8,9 +8,13 @@ errors in the window, TTFT p50/p99, and of the server's process tree (``--pid``)
 open file descriptors and TCP connections to the S3 endpoint's port. At the end: the RSS slope
 per 1,000 requests (least squares over the windows), the growth of descriptors and connections,
 and, with ``--config`` and ``--namespace`` (the requests then carry that namespace, which the
-server must allow in request_namespaces), the objects in the bucket under it against the chunks
-the server saved (from /metrics). Output: the table, JSON (``--json``), one CSV row per request
-(``--csv``), a PNG of TTFT and RSS over time (``--plot``).
+server must allow in request_namespaces), the chunks in the bucket under it against the chunks
+of every prompt sent (each full chunk's chained hash, as the server keys it): none missing but
+for writes the server counted as dropped or failed, none that no prompt holds. Two requests in
+flight with one uncached prefix (a session's prompt and its continuation) both compute and save
+it: the chunks written to S3 (/metrics) may exceed the distinct chunks the bucket holds.
+Output: the table, JSON (``--json``), one CSV row per request (``--csv``), a PNG of TTFT and
+RSS over time (``--plot``).
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from kvtier_tools.bench.load import (
+    WARMUP_PROMPT,
     Record,
+    Request,
     csv_rows,
     percentile,
     positive_int,
@@ -179,13 +185,50 @@ def _windows(records: list[Record], samples: list[tuple[float, dict[str, float]]
     return rows
 
 
-def _metric(base_url: str, name: str) -> float:
+def _metric(base_url: str, name: str, **labels: str) -> float:
     import urllib.request
 
     from kvtier_tools.server import metric_sum, parse_metrics
 
     with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
-        return metric_sum(parse_metrics(resp.read().decode()), name)
+        return metric_sum(parse_metrics(resp.read().decode()), name, **labels)
+
+
+def _recorded(requests: Iterable[Request], sent: list[Sequence[int]]) -> Iterator[Request]:
+    """``requests``, each prompt kept in ``sent`` as it is taken (then it is sent)."""
+    for request in requests:
+        sent.append(request.prompt)
+        yield request
+
+
+_WRITE_COUNTERS = {
+    "saved": ("kvtier:saved_chunks_total", {}),
+    "dropped": ("kvtier:dropped_writes_total", {}),
+    "s3_written": ("kvtier:tier_puts_total", {"tier": "s3"}),
+    # The S3 tier's failed writes, backpressure (the dropped ones) included.
+    "s3_errors": ("kvtier:tier_errors_total", {"tier": "s3"}),
+}
+
+
+def _write_counters(base_url: str) -> dict[str, float]:
+    return {k: _metric(base_url, name, **labels) for k, (name, labels) in _WRITE_COUNTERS.items()}
+
+
+def _settle(base_url: str, before: dict[str, float], limit: float) -> dict[str, float]:
+    """The write counters since ``before``, once every chunk handed to the store has been
+    written to S3 or has failed there and the counters stood still for a second, or after
+    ``limit`` seconds (``settled`` 0): a busy server's last writes land after its last answer."""
+    deadline = time.monotonic() + limit
+    last: dict[str, float] | None = None
+    while True:
+        now = {k: v - before[k] for k, v in _write_counters(base_url).items()}
+        ended = now["s3_written"] + now["s3_errors"] >= now["saved"]
+        if (ended and now == last) or time.monotonic() >= deadline:
+            now["settled"] = float(ended and now == last)
+            now["s3_failed"] = now["s3_errors"] - now["dropped"]
+            return now
+        last = now
+        time.sleep(1.0)
 
 
 class _Sampler:
@@ -217,7 +260,7 @@ class _Sampler:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The soak: its summary, windows and records."""
     from kvtier.config import load_config
-    from kvtier_tools.admin.chunks import count_chunks, purge_namespace
+    from kvtier_tools.admin.chunks import chunks_listed, count_chunks, purge_namespace
 
     cfg = load_config(args.config) if args.config else None
     api_key = Path(args.api_key_file).read_text().strip() if args.api_key_file else None
@@ -234,26 +277,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         purge_namespace(cfg, args.namespace)
     endpoint = cfg.endpoint_url if cfg is not None and cfg.endpoint_url else None
     s3_port = urlparse(endpoint).port if endpoint else args.s3_port
+    sent: list[Sequence[int]] = [WARMUP_PROMPT]
     warm_up(complete)
-    saved_before = _metric(base, "kvtier:saved_chunks_total")
-    dropped_before = _metric(base, "kvtier:dropped_writes_total")
+    before = _write_counters(base)
     load = MixedLoad(Sizes(c_inflight=args.inflight, c_output=args.output_len), args.seed)
     with _Sampler(args.pid, s3_port, args.window) as sampler:
         records = run_requests(
             complete,
-            load.stream("soak"),
+            _recorded(load.stream("soak"), sent),
             output_len=args.output_len,
             inflight=args.inflight,
             duration=args.duration,
             label="soak",
         )
-    time.sleep(args.settle)  # background writes land, counters reach /metrics
+    writes = _settle(base, before, args.settle)
     windows = _windows(records, sampler.samples)
-    saved = _metric(base, "kvtier:saved_chunks_total") - saved_before
-    dropped = _metric(base, "kvtier:dropped_writes_total") - dropped_before
-    chunks = None
+    bucket: dict[str, int] = {}
     if cfg is not None and counted:
-        chunks = count_chunks(cfg, args.namespace, "s3").get("s3")
+        from kvtier.format import short_hash
+        from kvtier.keys import chunk_hashes
+
+        expected = {
+            short_hash(h)
+            for prompt in sent
+            for h in chunk_hashes(prompt, cfg.chunk_size, cfg.save_unfull_chunk)
+        }
+        held = chunks_listed(cfg, args.namespace, "s3").get("s3", set())
+        bucket = {
+            "bucket_chunks": count_chunks(cfg, args.namespace, "s3").get("s3", 0),
+            "chunks_of_prompts": len(expected),
+            "chunks_missing": len(expected - held),
+            "chunks_unexpected": len(held - expected),
+        }
         purge_namespace(cfg, args.namespace)
     done = [w.requests for w in windows]
     cumulative = [sum(done[: i + 1]) for i in range(len(done))]
@@ -269,9 +324,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fds_end": int(last["fds"]),
         "s3_connections_start": int(first["s3_connections"]),
         "s3_connections_end": int(last["s3_connections"]),
-        "chunks_saved": saved,
-        "writes_dropped": dropped,
-        "bucket_chunks": chunks,
+        "chunks_saved": writes["saved"],
+        "writes_dropped": writes["dropped"],
+        "s3_chunks_written": writes["s3_written"],
+        "s3_write_failures": writes["s3_failed"],
+        "writes_settled": writes["settled"],
+        **bucket,
     }
     return {"summary": summary, "windows": [asdict(w) for w in windows], "records": records}
 
@@ -289,8 +347,15 @@ def _print(result: dict[str, Any]) -> None:
         f"({s['rss_mib_per_1000_requests']} MiB per 1,000 requests); fds {s['fds_start']} -> "
         f"{s['fds_end']}; S3 connections {s['s3_connections_start']} -> "
         f"{s['s3_connections_end']}; chunks saved {s['chunks_saved']:.0f}, dropped "
-        f"{s['writes_dropped']:.0f}, in the bucket {s['bucket_chunks']} chunks"
+        f"{s['writes_dropped']:.0f}, written to S3 {s['s3_chunks_written']:.0f}"
+        + ("" if s["writes_settled"] else " (writes still in flight at the end)")
     )
+    if "chunks_of_prompts" in s:
+        print(
+            f"bucket: {s['bucket_chunks']} chunks; of the {s['chunks_of_prompts']} chunks of the "
+            f"prompts sent, {s['chunks_missing']} missing; {s['chunks_unexpected']} that no "
+            "prompt holds"
+        )
 
 
 def _plot(result: dict[str, Any], path: str) -> str:
@@ -344,7 +409,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", help="the server's kvtier YAML (bucket objects, with --namespace)")
     p.add_argument("--namespace", help="a request namespace of the server for the soak's chunks")
     p.add_argument("--s3-port", type=int, help="S3 endpoint port, when --config has none")
-    p.add_argument("--settle", type=float, default=3.0, help="seconds after the load")
+    p.add_argument(
+        "--settle", type=float, default=60.0, help="at most this long for the last writes to land"
+    )
     p.add_argument("--json", help="summary, windows and settings as JSON")
     p.add_argument("--csv", help="one row per request (default: the --json path, .csv)")
     p.add_argument("--plot", help="PNG of TTFT and RSS over time (default: the --json path, .png)")
