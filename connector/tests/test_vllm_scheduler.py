@@ -323,6 +323,55 @@ def test_a_load_from_s3_is_planned_in_the_background_when_asked() -> None:
     assert not quiet.loads_in_background("r")
 
 
+def _on(s: SchedulerSide, req_id: str, prompt: list[int], blocks: int) -> None:
+    """One step that computes the whole prompt of ``req_id``."""
+    _first_step(s, req_id, list(range(blocks)), computed=0, scheduled=len(prompt))
+
+
+@pytest.mark.parametrize("shorter_first", [True, False])
+def test_a_prompt_and_its_continuation_in_flight_save_each_chunk_in_one_object(
+    shorter_first: bool,
+) -> None:
+    """A prompt of 10 chunks and its continuation of 11, both looked up before either saved:
+    the one planned second starts its run after the chunks the first planned, so no two runs
+    share a first chunk (one S3 key: the shorter object, landing last, dropped the other's
+    chunk 10 in kvtier bench soak)."""
+    prompt = list(range(10 * CHUNK))
+    longer = prompt + list(range(50_000, 50_000 + CHUNK))
+    hashes = chunk_hashes(longer, CHUNK)
+    s = _scheduler(runs=32)
+    order = [("a", prompt), ("b", longer)] if shorter_first else [("b", longer), ("a", prompt)]
+    for req_id, p in order:
+        assert s.num_new_matched_tokens(req_id, p, 0) == 0
+    saved: dict[str, list[tuple[str, str]]] = {}
+    for req_id, p in order:
+        _on(s, req_id, p, len(p) // BLOCK)
+        saved[req_id] = [(x.chunk_hash, x.object_hash) for x in s.take_plan().saves]
+    if shorter_first:  # a: chunks 0-9 in one object; b: only chunk 10, in an object of its own
+        assert saved == {"a": [(h, hashes[0]) for h in hashes[:10]], "b": [(hashes[10],) * 2]}
+    else:  # b saved all 11 in one object; a, a prefix of it, saves nothing
+        assert saved == {"b": [(h, hashes[0]) for h in hashes], "a": []}
+
+
+def test_a_chunk_another_request_saved_long_ago_is_saved_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past _REMOTE_SAVE_SECS the other save has landed (a lookup finds it) or failed: a
+    request that did not find the chunk saves it."""
+    prompt = list(range(2 * CHUNK))
+    s = _scheduler(runs=4)
+    for req_id in ("a", "b"):
+        s.num_new_matched_tokens(req_id, prompt, 0)
+    _on(s, "a", prompt, 4)
+    assert len(s.take_plan().saves) == 2
+    now = scheduler_module.time.monotonic()
+    monkeypatch.setattr(
+        scheduler_module.time, "monotonic", lambda: now + scheduler_module._REMOTE_SAVE_SECS
+    )
+    _on(s, "b", prompt, 4)
+    assert len(s.take_plan().saves) == 2
+
+
 def test_a_chunk_whose_load_failed_is_saved_again_as_it_is_recomputed() -> None:
     """A rank that lacks a chunk the lookup found (on rank 0) reports its blocks invalid: from
     that chunk on, the recomputed chunks are saved again (by every rank), so the next request

@@ -31,6 +31,13 @@ Rules:
   a chunk the local tiers (or vLLM's prefix cache) hold is saved to the remote tier from the
   request's blocks on the sight that admits it, once those blocks are loaded ("late
   admission"; a failed load cancels it, and the recompute saves the chunk to every tier).
+- A chunk that another request planned to save to the remote tier moments ago
+  (``_REMOTE_SAVE_SECS``) is not saved again when it leads a request's saves: that request's
+  runs start after it. Two requests in flight with one uncached prefix (a prompt and its
+  continuation) would otherwise save runs with the same first chunk and different lengths:
+  one S3 key, and the shorter object, landing last, dropped the other's tail (kvtier bench
+  soak found 4 of 283 chunks lost so). If the other save fails, the chunk is a miss later,
+  recomputed and saved by a later request.
 - The scheduler cannot see the worker's CPU tier (another process in production). It keeps
   an LRU index of the chunks it told the worker to save or load (each lands in the worker's
   CPU tier) and asks the store (disk, S3: shared media) about the rest. If the index is wrong,
@@ -70,6 +77,10 @@ _warnings = RateLimitedLog(log)
 #: Seconds one call may wait for a pending remote lookup before answering "not yet" (short: the
 #: scheduler calls again at its next step, and other requests are scheduled meanwhile).
 _LOOKUP_POLL_SECS = 0.001
+#: How long a chunk planned for the remote tier counts as being saved by its request (its PUT
+#: lands within this, or has failed), and how many such chunks are remembered.
+_REMOTE_SAVE_SECS = 30.0
+_REMOTE_SAVES_KEPT = 65_536
 
 
 @dataclass(frozen=True)
@@ -260,6 +271,8 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         self._history = PrefixHistory()
         self._divergence_log = RateLimitedLog(log)  # one line per 10 s, with the count held back
+        #: Chunk ids planned for the remote tier -> when (monotonic), oldest first.
+        self._remote_saves: OrderedDict[str, float] = OrderedDict()
 
     # ------------------------------------------------------------------ helpers
     def _chunk_tokens(self, st: _Request, k: int) -> int:
@@ -527,6 +540,9 @@ class SchedulerSide:
         if st.late:
             self._plan_late_admissions(req_id, st, done)
         start = max(st.next_save, st.known_stored)
+        while start < last and self._remote_save_pending(st.hashes[start]):
+            start += 1  # another request saves it (module docstring): runs start after it
+            st.known_stored = start
         while start < last:
             # Runs start where the stored chunks end and are cut every `runs` chunks.
             end = min(last, st.known_stored + ((start - st.known_stored) // runs + 1) * runs)
@@ -607,8 +623,18 @@ class SchedulerSide:
         )
         if tiers != "remote":
             self.cpu_index.add(st.hashes[k])
+        if tiers != "local":
+            self._remote_saves[st.hashes[k]] = time.monotonic()
+            self._remote_saves.move_to_end(st.hashes[k])
+            if len(self._remote_saves) > _REMOTE_SAVES_KEPT:
+                self._remote_saves.popitem(last=False)
         self.counters.planned_save_chunks += 1
         return True
+
+    def _remote_save_pending(self, chunk: str) -> bool:
+        """Whether a request planned to save ``chunk`` to the remote tier moments ago."""
+        planned = self._remote_saves.get(chunk)
+        return planned is not None and time.monotonic() - planned < _REMOTE_SAVE_SECS
 
     def loads_failed(self, invalid_block_ids: set[int]) -> None:
         """vLLM reported these blocks' loads failed: each request holding one is recomputed
@@ -629,6 +655,8 @@ class SchedulerSide:
                 st.found_chunks = k
                 st.known_stored = min(st.known_stored, k)
                 st.next_save = min(st.next_save, k)
+                for chunk in st.hashes[k:]:  # the stored copies failed: saved again, now
+                    self._remote_saves.pop(chunk, None)
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
