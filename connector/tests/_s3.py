@@ -103,9 +103,10 @@ def radosgw_admin(*args: str) -> Any:
 
 
 @contextmanager
-def bucket_quota_with_room(bucket: str, room: int) -> Iterator[None]:
+def bucket_quota_with_room(bucket: str, room: int, client: Any) -> Iterator[None]:
     """The bucket's RGW quota (the rgw_bucket role's backstop) set ``room`` bytes above what it
-    holds now; the quota it had is put back after."""
+    holds now, once every radosgw lets a write through (``client``: boto3, through the site's
+    endpoint); the quota it had is put back after."""
     stats = radosgw_admin("bucket", "stats", "--bucket", bucket)
     kept = stats["bucket_quota"]
     used = sum(int(u.get("size", 0)) for u in stats.get("usage", {}).values())
@@ -115,6 +116,7 @@ def bucket_quota_with_room(bucket: str, room: int) -> Iterator[None]:
     )  # fmt: skip
     radosgw_admin("quota", "enable", "--quota-scope=bucket", "--bucket", bucket)
     try:
+        _until_writes_pass(client, bucket)
         yield
     finally:
         radosgw_admin(
@@ -125,3 +127,32 @@ def bucket_quota_with_room(bucket: str, room: int) -> Iterator[None]:
             "quota", "enable" if kept["enabled"] else "disable", "--quota-scope=bucket",
             "--bucket", bucket,
         )  # fmt: skip
+
+
+def _until_writes_pass(client: Any, bucket: str, timeout: float = 60.0) -> None:
+    """Each radosgw checks a quota against the bucket's stats as it cached them (up to
+    rgw_bucket_quota_ttl, 10 min): one that did not see the deletes made through the other
+    refuses every write against a quota set near the bucket's fill. Seen here: after a module
+    emptied its prefix, one of the two refused every write for minutes, and on one run both
+    did (nothing could be stored). Tiny writes until one passes (haproxy takes turns over the
+    radosgw), deleted after; then at least one radosgw lets writes through up to the room."""
+    import time
+
+    from botocore.exceptions import ClientError
+
+    key = f"kvtier-test-quota-probe/{uuid.uuid4().hex[:10]}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=b"x")
+            break
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "QuotaExceeded":
+                raise
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"every radosgw refused a 1-byte write for {timeout:g} s under a quota with "
+                    "room: their cached bucket stats are stale (rgw_bucket_quota_ttl)"
+                ) from exc
+            time.sleep(0.5)
+    client.delete_object(Bucket=bucket, Key=key)

@@ -17,9 +17,11 @@ from _s3 import S3Env, bucket_quota_with_room, objects
 
 from kvtier.config import load_config
 from kvtier.store import TieredStore
+from kvtier.tiers.s3_boto3 import make_boto3_client
 from kvtier_tools.cli import main as cli_main
 
-pytestmark = pytest.mark.integration
+# Sets a quota on the shared bucket: CI runs it alone (the marker `alone`, pyproject.toml).
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 MIB = 1 << 20
 CAP = 4 * MIB
@@ -153,9 +155,10 @@ def test_writes_refused_by_the_bucket_quota_are_counted_and_reads_go_on(
     runs into it; every refused write is counted (QuotaExceeded), none raises, and the circuit
     breaker stays closed, so what the bucket holds is still read."""
     env, prefix = s3
-    with bucket_quota_with_room(env.bucket, 2 * MIB):
+    cfg = load_config(env.write_config(prefix))
+    with bucket_quota_with_room(env.bucket, 2 * MIB, make_boto3_client(cfg)):
         data = chunks(32, size=PAYLOAD, seed=5)  # 8 MiB against 2 MiB of room
-        with TieredStore.from_config(load_config(env.write_config(prefix)), FINGERPRINT) as store:
+        with TieredStore.from_config(cfg, FINGERPRINT) as store:
             for h, p in data:
                 store.put(h, p, 256)
             assert store.flush(60)

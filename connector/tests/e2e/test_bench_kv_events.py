@@ -22,9 +22,12 @@ from typing import Any
 import pytest
 from _e2e import CHUNK, S3Target, Servers, free_port, prompt
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("KVTIER_BENCH_KV_EVENTS"), reason="a benchmark: run by hand"
-)
+pytestmark = [
+    pytest.mark.alone,  # a benchmark: its timings must not share the cores
+    pytest.mark.skipif(
+        not os.environ.get("KVTIER_BENCH_KV_EVENTS"), reason="a benchmark: run by hand"
+    ),
+]
 PAIRS = 12
 OUT = Path(__file__).resolve().parents[3] / "reports"
 

@@ -18,6 +18,9 @@ from _e2e import VLLM_PYTHON, Counters, Servers, free_port
 from kvtier_tools.cli import main
 from kvtier_tools.server import VllmServer
 
+# Asserts that warm beats cold: CI runs it alone.
+pytestmark = pytest.mark.alone
+
 SMOKE_SCENARIOS = {"vllm-prefix", "kvtier-cpu"}
 
 

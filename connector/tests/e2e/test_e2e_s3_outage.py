@@ -34,6 +34,9 @@ from _faults import (
 from kvtier_tools.completions import Completion
 from kvtier_tools.server import VllmServer, metric_sum
 
+# Stops the site's radosgw and haproxy programs, and bounds TTFTs: CI runs it alone.
+pytestmark = pytest.mark.alone
+
 #: Fast reactions for a test: the breaker opens after 3 failures, probes again after 1 s.
 OUTAGE = {
     "lookup_timeout_secs": 0.1,

@@ -107,6 +107,7 @@ def test_a_rank_that_lost_its_chunks_heals_after_one_failed_load(
     )
 
 
+@pytest.mark.alone  # kvtier verify asserts TTFTs: with another server on the cores, step 5 failed
 def test_kvtier_verify_passes_against_the_tp2_server(
     tp: dict[str, Any], s3_target: S3Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,9 @@ from kvtier_tools.verify.report import first_failure, markdown, report
 from kvtier_tools.verify.settings import Settings
 from kvtier_tools.verify.steps import run
 
+# Asserts the warm/cold TTFT ratio: CI runs it alone.
+pytestmark = pytest.mark.alone
+
 
 @pytest.fixture(scope="module")
 def stack(servers: Servers, s3_target: S3Target, e2e_root: Path) -> dict[str, Any]:

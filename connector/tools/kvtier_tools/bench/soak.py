@@ -204,6 +204,9 @@ def _recorded(requests: Iterable[Request], sent: list[Sequence[int]]) -> Iterato
 _WRITE_COUNTERS = {
     "saved": ("kvtier:saved_chunks_total", {}),
     "dropped": ("kvtier:dropped_writes_total", {}),
+    # Chunks the workers did not hand to the store: no save buffer in time, a failed copy.
+    "save_dropped": ("kvtier:save_dropped_chunks_total", {}),
+    "save_failed": ("kvtier:save_failed_chunks_total", {}),
     "s3_written": ("kvtier:tier_puts_total", {"tier": "s3"}),
     # The S3 tier's failed writes, backpressure (the dropped ones) included.
     "s3_errors": ("kvtier:tier_errors_total", {"tier": "s3"}),
@@ -292,22 +295,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     writes = _settle(base, before, args.settle)
     windows = _windows(records, sampler.samples)
-    bucket: dict[str, int] = {}
+    bucket: dict[str, Any] = {}
     if cfg is not None and counted:
         from kvtier.format import short_hash
         from kvtier.keys import chunk_hashes
 
-        expected = {
-            short_hash(h)
-            for prompt in sent
-            for h in chunk_hashes(prompt, cfg.chunk_size, cfg.save_unfull_chunk)
-        }
+        # Each chunk of the prompts: where it first appears (request number, chunk number).
+        expected: dict[str, tuple[int, int]] = {}
+        for number, prompt in enumerate(sent):
+            for k, h in enumerate(chunk_hashes(prompt, cfg.chunk_size, cfg.save_unfull_chunk)):
+                expected.setdefault(short_hash(h), (number, k))
         held = chunks_listed(cfg, args.namespace, "s3").get("s3", set())
+        missing = sorted(expected[h] + (h,) for h in expected.keys() - held)
         bucket = {
             "bucket_chunks": count_chunks(cfg, args.namespace, "s3").get("s3", 0),
             "chunks_of_prompts": len(expected),
-            "chunks_missing": len(expected - held),
-            "chunks_unexpected": len(held - expected),
+            "chunks_missing": len(missing),
+            # The first few: request (0 is the warm-up), chunk, short hash.
+            "chunks_missing_first": [list(m) for m in missing[:10]],
+            "chunks_unexpected": len(held - expected.keys()),
         }
         purge_namespace(cfg, args.namespace)
     done = [w.requests for w in windows]
@@ -328,6 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "writes_dropped": writes["dropped"],
         "s3_chunks_written": writes["s3_written"],
         "s3_write_failures": writes["s3_failed"],
+        "saves_not_handed": writes["save_dropped"] + writes["save_failed"],
         "writes_settled": writes["settled"],
         **bucket,
     }
