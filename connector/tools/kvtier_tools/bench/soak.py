@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -217,13 +217,18 @@ def _write_counters(base_url: str) -> dict[str, float]:
     return {k: _metric(base_url, name, **labels) for k, (name, labels) in _WRITE_COUNTERS.items()}
 
 
-def _settle(base_url: str, before: dict[str, float], limit: float) -> dict[str, float]:
+def _settle(
+    base_url: str, before: dict[str, float], limit: float, nudge: Callable[[], object]
+) -> dict[str, float]:
     """The write counters since ``before``, once every chunk handed to the store has been
     written to S3 or has failed there and the counters stood still for a second, or after
-    ``limit`` seconds (``settled`` 0): a busy server's last writes land after its last answer."""
+    ``limit`` seconds (``settled`` 0): a busy server's last writes land after its last answer.
+    vLLM reports its workers' counters with its steps, so an idle server's stand still: each
+    poll first sends ``nudge`` (a prompt shorter than a chunk: nothing to save)."""
     deadline = time.monotonic() + limit
     last: dict[str, float] | None = None
     while True:
+        nudge()
         now = {k: v - before[k] for k, v in _write_counters(base_url).items()}
         ended = now["s3_written"] + now["s3_errors"] >= now["saved"]
         if (ended and now == last) or time.monotonic() >= deadline:
@@ -293,7 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             duration=args.duration,
             label="soak",
         )
-    writes = _settle(base, before, args.settle)
+    writes = _settle(base, before, args.settle, lambda: complete(WARMUP_PROMPT, 1))
     windows = _windows(records, sampler.samples)
     bucket: dict[str, Any] = {}
     if cfg is not None and counted:
