@@ -185,15 +185,6 @@ def _windows(records: list[Record], samples: list[tuple[float, dict[str, float]]
     return rows
 
 
-def _metric(base_url: str, name: str, **labels: str) -> float:
-    import urllib.request
-
-    from kvtier_tools.server import metric_sum, parse_metrics
-
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
-        return metric_sum(parse_metrics(resp.read().decode()), name, **labels)
-
-
 def _recorded(requests: Iterable[Request], sent: list[Sequence[int]]) -> Iterator[Request]:
     """``requests``, each prompt kept in ``sent`` as it is taken (then it is sent)."""
     for request in requests:
@@ -214,7 +205,14 @@ _WRITE_COUNTERS = {
 
 
 def _write_counters(base_url: str) -> dict[str, float]:
-    return {k: _metric(base_url, name, **labels) for k, (name, labels) in _WRITE_COUNTERS.items()}
+    """The write counters from one scrape of the server's /metrics."""
+    import urllib.request
+
+    from kvtier_tools.server import metric_sum, parse_metrics
+
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10) as resp:
+        samples = parse_metrics(resp.read().decode())
+    return {k: metric_sum(samples, name, **labels) for k, (name, labels) in _WRITE_COUNTERS.items()}
 
 
 def _settle(
