@@ -51,6 +51,11 @@ CASES = {
         r"Paths the server writes must be absolute and without spaces \(the systemd unit lists "
         r"them in ReadWritePaths=\): var/cache/triton\. Check vllm_server_writable_paths",
     ),
+    "an After= unit without its type": (
+        {"vllm_server_after_units": ["kvtier-disk-tier"]},
+        r"vllm_server_after_units must list systemd unit names with their type \(e\.g\. "
+        r"kvtier-disk-tier\.service, data\.mount\): kvtier-disk-tier\.",
+    ),
     "a log directory with a space": (
         {"vllm_server_log_dir": "/var/log/kv tier"},
         r"Paths the server writes must be absolute and without spaces .*: /var/log/kv tier\.",

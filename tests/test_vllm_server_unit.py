@@ -41,6 +41,8 @@ def test_the_unit_is_hardened_and_systemd_accepts_every_directive(tmp_path: Path
     assert unit["ProtectHome"] == "read-only" and unit["PrivateTmp"] == "yes"
     assert unit["User"] == "kvtier" and unit["LimitMEMLOCK"] == "infinity"
     assert unit["CapabilityBoundingSet"] == "" and unit["ProtectProc"] == "invisible"
+    # Started after the unit that mounts a loop-backed disk tier at boot (nvme_cache).
+    assert unit["After"] == "network-online.target kvtier-disk-tier.service"
     # Its home, its logs and the disk tier, nothing else.
     writable = unit["ReadWritePaths"].split()
     assert writable[1:] == ["/var/log/kvtier", "/var/cache/kvtier/disk"], writable
