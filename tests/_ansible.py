@@ -44,3 +44,16 @@ def assert_fails_in_preflight(done: subprocess.CompletedProcess[str], message: s
     assert done.returncode != 0, output[-2000:]
     assert re.search(message, output), output[-3000:]
     assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", done.stdout), done.stdout[-2000:]
+
+
+def systemd_verify_errors(unit: Path) -> str:
+    """What `systemd-analyze verify` (this host's systemd, Debian 12's 252) says of ``unit``:
+    empty when it accepts every directive."""
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = (done.stdout + done.stderr).strip()
+    return said or ("" if done.returncode == 0 else f"exit status {done.returncode}")

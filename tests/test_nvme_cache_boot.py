@@ -13,10 +13,11 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _ansible import run_playbook
+from _ansible import run_playbook, systemd_verify_errors
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("mkfs.xfs") is None or shutil.which("parted") is None,
@@ -42,6 +43,13 @@ def mounted_source(path: Path) -> str:
     return done.stdout.strip()
 
 
+def detach(dev: str) -> None:
+    """Detach a loop device and drop its partition's node, as udev would (this host has none:
+    the node would stay, and a later test's attach could find it with other numbers)."""
+    sh("losetup", "--detach", dev)
+    Path(f"{dev}p1").unlink(missing_ok=True)
+
+
 def make_disk_tier(image: Path, label: str = "kvtier-cache") -> str:
     """A sparse file with one GPT partition holding an xfs, as the role leaves it (detached);
     returns the file system's UUID."""
@@ -50,14 +58,14 @@ def make_disk_tier(image: Path, label: str = "kvtier-cache") -> str:
     sh("parted", "--script", str(image), "mklabel", "gpt", "mkpart", label, "1MiB", "100%")
     dev = sh("losetup", "--find", "--show", "--partscan", str(image)).strip()
     try:
-        if not Path(f"{dev}p1").exists():
+        if not Path(f"/sys/class/block/{Path(dev).name}p1").exists():
             sh("partx", "--add", dev)  # a kernel that does not parse the table on attach
         sh("mkfs.xfs", "-q", "-L", label, f"{dev}p1")
         return sh(
             "blkid", "--probe", "--match-tag", "UUID", "--output", "value", f"{dev}p1"
         ).strip()
     finally:
-        sh("losetup", "--detach", dev)
+        detach(dev)
 
 
 def render(dest: Path, **variables: str) -> Path:
@@ -70,33 +78,43 @@ def render(dest: Path, **variables: str) -> Path:
     return dest / "attach.sh"
 
 
+@dataclass
+class Disk:
+    """A disk tier as the role leaves it (detached), and where the boot script mounts it."""
+
+    image: Path
+    mount_path: Path
+    uuid: str
+    scripts: Path
+
+    def boot_script(self, uuid: str | None = None) -> Path:
+        """The role's boot script for this disk tier, expecting ``uuid`` (default: its own)."""
+        return render(
+            self.scripts,
+            nvme_cache_loop_file=str(self.image),
+            nvme_cache_mount_path=str(self.mount_path),
+            _nvme_cache_uuid=uuid or self.uuid,
+        )
+
+
 @pytest.fixture
-def disk(tmp_path: Path) -> Iterator[dict[str, Path | str]]:
+def disk(tmp_path: Path) -> Iterator[Disk]:
     image = tmp_path / "cache.img"
     mount_path = tmp_path / "disk"
     mount_path.mkdir()
-    uuid = make_disk_tier(image)
-    yield {"image": image, "mount_path": mount_path, "uuid": uuid}
+    yield Disk(image, mount_path, make_disk_tier(image), tmp_path)
     while mounted_source(mount_path):
         sh("umount", str(mount_path))
     for dev in attached(image):
-        sh("losetup", "--detach", dev)
+        detach(dev)
 
 
 def boot(script: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(script)], capture_output=True, text=True, timeout=60)
 
 
-def test_a_boot_attaches_the_loop_file_and_mounts_its_partition(
-    disk: dict[str, Path | str], tmp_path: Path
-) -> None:
-    image, mount_path = Path(disk["image"]), Path(disk["mount_path"])
-    script = render(
-        tmp_path,
-        nvme_cache_loop_file=str(image),
-        nvme_cache_mount_path=str(mount_path),
-        _nvme_cache_uuid=str(disk["uuid"]),
-    )
+def test_a_boot_attaches_the_loop_file_and_mounts_its_partition(disk: Disk) -> None:
+    image, mount_path, script = disk.image, disk.mount_path, disk.boot_script()
     assert attached(image) == []  # as after a reboot of the host
     first = boot(script)
     assert first.returncode == 0, first.stderr
@@ -118,37 +136,36 @@ def test_a_boot_attaches_the_loop_file_and_mounts_its_partition(
     assert (mount_path / "chunk").read_bytes() == b"kv"
 
 
-def test_a_file_system_that_is_not_the_roles_is_never_mounted(
-    disk: dict[str, Path | str], tmp_path: Path
-) -> None:
-    image, mount_path = Path(disk["image"]), Path(disk["mount_path"])
-    script = render(
-        tmp_path,
-        nvme_cache_loop_file=str(image),
-        nvme_cache_mount_path=str(mount_path),
-        _nvme_cache_uuid="00000000-0000-0000-0000-000000000000",
-    )
+def test_a_partition_node_with_other_numbers_is_made_again(disk: Disk) -> None:
+    """A host without udev keeps a detached device's partition node: if its numbers are not the
+    kernel's for this partition now, the script makes it again (never mounts what it names)."""
+    image, mount_path, script = disk.image, disk.mount_path, disk.boot_script()
+    dev = sh("losetup", "--find", "--show", str(image)).strip()
+    sh("partx", "--add", dev)
+    want = Path(f"/sys/class/block/{Path(dev).name}p1/dev").read_text().strip()
+    node = Path(f"{dev}p1")
+    node.unlink(missing_ok=True)
+    sh("mknod", str(node), "b", "7", "0")  # stale: another device's numbers (loop0)
     done = boot(script)
-    assert done.returncode == 1
-    assert f"holds filesystem UUID '{disk['uuid']}', not 00000000-" in done.stderr
-    assert mounted_source(mount_path) == ""
+    assert done.returncode == 0, done.stderr
+    assert mounted_source(mount_path) == str(node)
+    assert sh("stat", "--format", "%Hr:%Lr", str(node)).strip() == want
 
 
-def test_another_mount_on_the_path_is_left_alone(
-    disk: dict[str, Path | str], tmp_path: Path
-) -> None:
-    image, mount_path = Path(disk["image"]), Path(disk["mount_path"])
-    script = render(
-        tmp_path,
-        nvme_cache_loop_file=str(image),
-        nvme_cache_mount_path=str(mount_path),
-        _nvme_cache_uuid=str(disk["uuid"]),
-    )
-    sh("mount", "--types", "tmpfs", "--options", "size=1m", "other", str(mount_path))
+def test_a_file_system_that_is_not_the_roles_is_never_mounted(disk: Disk) -> None:
+    done = boot(disk.boot_script(uuid="00000000-0000-0000-0000-000000000000"))
+    assert done.returncode == 1
+    assert f"holds filesystem UUID '{disk.uuid}', not 00000000-" in done.stderr
+    assert mounted_source(disk.mount_path) == ""
+
+
+def test_another_mount_on_the_path_is_left_alone(disk: Disk) -> None:
+    script = disk.boot_script()
+    sh("mount", "--types", "tmpfs", "--options", "size=1m", "other", str(disk.mount_path))
     done = boot(script)
     assert done.returncode == 1
-    assert f"{mount_path} already has other mounted on it" in done.stderr
-    assert mounted_source(mount_path) == "other"
+    assert f"{disk.mount_path} already has other mounted on it" in done.stderr
+    assert mounted_source(disk.mount_path) == "other"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
@@ -165,10 +182,4 @@ def test_the_unit_is_valid_for_systemd(tmp_path: Path) -> None:
     unit = tmp_path / "kvtier-disk-tier.service"
     text = unit.read_text()
     assert f"ExecStart={tmp_path}/attach.sh" in text and "WantedBy=multi-user.target" in text
-    done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(unit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stderr
+    assert systemd_verify_errors(unit) == ""
