@@ -43,6 +43,21 @@ def mounted_source(path: Path) -> str:
     return done.stdout.strip()
 
 
+def partition_node(dev: str) -> Path:
+    """The node of ``dev``'s first partition, with the kernel's numbers: this host has no udev,
+    so a node left by an earlier device of that name may name another device now."""
+    sysfs = Path(f"/sys/class/block/{Path(dev).name}p1")
+    if not sysfs.exists():
+        sh("partx", "--add", dev)  # a kernel that does not parse the table on attach
+    want = (sysfs / "dev").read_text().strip()
+    node = Path(f"{dev}p1")
+    if node.exists() and sh("stat", "--format", "%Hr:%Lr", str(node)).strip() != want:
+        node.unlink()
+    if not node.exists():
+        sh("mknod", str(node), "b", *want.split(":"))
+    return node
+
+
 def detach(dev: str) -> None:
     """Detach a loop device and drop its partition's node, as udev would (this host has none:
     the node would stay, and a later test's attach could find it with other numbers)."""
@@ -58,8 +73,7 @@ def make_disk_tier(image: Path, label: str = "kvtier-cache") -> str:
     sh("parted", "--script", str(image), "mklabel", "gpt", "mkpart", label, "1MiB", "100%")
     dev = sh("losetup", "--find", "--show", "--partscan", str(image)).strip()
     try:
-        if not Path(f"/sys/class/block/{Path(dev).name}p1").exists():
-            sh("partx", "--add", dev)  # a kernel that does not parse the table on attach
+        partition_node(dev)
         sh("mkfs.xfs", "-q", "-L", label, f"{dev}p1")
         return sh(
             "blkid", "--probe", "--match-tag", "UUID", "--output", "value", f"{dev}p1"
