@@ -123,11 +123,12 @@ test-host:
 # testinfra) left running, so that pytest's integration and e2e tests use its Ceph instead of
 # deploying their own, then its teardown (unless `make deploy` had left a site up: then it
 # stays), whatever came before. pytest runs four times: the tests that need no server (unit
-# tests, preflight playbooks) on both cores; the integration and e2e tests two modules at a
-# time (a vLLM start is mostly one core importing Python for 16 s); then, one at a time, those
-# marked `alone` (they stop the site's radosgw or haproxy, set a quota on the shared bucket, or
-# compare timings, which must not share the cores); then the CUDA directory under the vLLM venv
-# (test-cuda-cpu). The last line sums the four.
+# tests, preflight playbooks) on both cores; the integration and e2e tests one module at a time
+# (two at a time saved 14 min, but twice on 2026-12-07 the site's one OSD then wedged with
+# placement groups "laggy" until restarted, every later S3 test failing: docs/store.md); then
+# those marked `alone` (they stop the site's radosgw or haproxy, set a quota on the shared
+# bucket, or compare timings); then the CUDA directory under the vLLM venv (test-cuda-cpu). The
+# last line sums the four.
 PYTEST_LOGS := reports/pytest-ci-unit.log reports/pytest-ci-e2e.log reports/pytest-ci-e2e-alone.log \
   reports/pytest-ci-cuda.log
 PHASES := reports/ci-phases.txt
@@ -144,9 +145,9 @@ test: test-host test-deps
 	  $(BIN)/pytest -n 2 --dist loadfile -m "not integration and not e2e" \
 	    --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-unit.log || rc=1; \
 	  phase "unit tests"; \
-	  $(BIN)/pytest -n 2 --dist loadfile -m "(integration or e2e) and not alone" --durations=40 \
+	  $(BIN)/pytest -m "(integration or e2e) and not alone" --durations=40 \
 	    --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-e2e.log || rc=1; \
-	  phase "integration and e2e, 2 at once"; \
+	  phase "integration and e2e"; \
 	  $(BIN)/pytest -m "(integration or e2e) and alone" --ignore=connector/tests/cuda \
 	    --ignore=connector/tests/with_vllm 2>&1 | tee reports/pytest-ci-e2e-alone.log || rc=1; \
 	  phase "integration and e2e, alone"; \
