@@ -26,6 +26,8 @@ note() { echo "fleetnet: $*"; changed=1; }
 ns_of() { echo "${NS_PREFIX}$1"; }
 # veth names are at most 15 characters.
 veth_of() { echo "kvtf-${1:0:10}"; }
+# shellcheck source=../shared/netns.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../shared/netns.sh"
 
 up() {
     mkdir -p "$SSH_DIR" /run/sshd
@@ -35,29 +37,13 @@ up() {
         cp "$SSH_DIR/id_ed25519.pub" "$SSH_DIR/authorized_keys"
         note "generated the fleet's ssh key"
     fi
-    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
-        ip link add "$BRIDGE" type bridge
-        ip addr add "$BRIDGE_ADDR" dev "$BRIDGE"
-        note "created bridge $BRIDGE ($BRIDGE_ADDR)"
-    fi
-    ip link set "$BRIDGE" up
+    bridge_up
     for spec in "$@"; do
         local host=${spec%%=*} addr=${spec#*=}
         local ns veth
         ns=$(ns_of "$host")
         veth=$(veth_of "$host")
-        if ! ip netns list | grep -qx "$ns\( .*\)\?"; then
-            # A namespace removed while a process (a zombie) still held it keeps its veth.
-            ip link del "$veth" 2>/dev/null && note "removed the stale $veth"
-            ip netns add "$ns"
-            ip link add "$veth" type veth peer name eth0 netns "$ns"
-            ip link set "$veth" master "$BRIDGE" up
-            ip -n "$ns" addr add "$addr/24" dev eth0
-            ip -n "$ns" link set lo up
-            ip -n "$ns" link set eth0 up
-            ip -n "$ns" route add default via "${BRIDGE_ADDR%/*}"
-            note "created namespace $ns ($addr) on $BRIDGE"
-        fi
+        netns_up "$ns" "$veth" eth0 "$addr"
         local conf=$SSH_DIR/sshd-$host.conf pid=/run/sshd-kvtier-fleet-$host.pid
         cat >"$conf" <<EOF
 # sshd of fleet host $host, inside network namespace $ns

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import testinfra
+from scenario_playbook import run_playbook
 
 from kvtier.format import CHUNK_LIST_META, decode_chunk_list, short_hash
 from kvtier.keys import chunk_hashes
@@ -209,29 +210,7 @@ class Stream:
 
 def playbook(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
     """`ansible-playbook -i <fleet inventory> ARGS` from the bundle, as an operator runs it."""
-    env = {
-        **os.environ,
-        # molecule's own settings are relative to the scenario: the bundle's, absolute.
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_ROLES_PATH": str(REPO / "roles"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-    }
-    return subprocess.run(
-        [str(REPO / ".venv" / "bin" / "ansible-playbook"), "-i", str(INVENTORY), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def recap(run: subprocess.CompletedProcess[str]) -> str:
-    out = run.stdout
-    return out[out.rfind("PLAY RECAP") :] if "PLAY RECAP" in out else out[-3000:]
+    return run_playbook(INVENTORY, *args, timeout=timeout)
 
 
 def report(name: str) -> dict[str, Any]:

@@ -16,11 +16,11 @@ from _fleet import (
     address,
     host,
     playbook,
-    recap,
     report,
     server,
     supervisorctl,
 )
+from scenario_playbook import recap
 
 
 def test_a_second_run_changes_nothing_on_any_host() -> None:

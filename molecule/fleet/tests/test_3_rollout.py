@@ -25,9 +25,9 @@ from _fleet import (
     host,
     playbook,
     prompt,
-    recap,
     server,
 )
+from scenario_playbook import recap
 
 NEW_CHUNK = 512
 CHANGE = ("-e", f"vllm_server_kvtier_chunk_size={NEW_CHUNK}")
