@@ -18,7 +18,7 @@ PYTEST_PIN := $(shell grep -om1 'pytest==[0-9.]*' pyproject.toml)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv collections deploy teardown lint test test-deps test-host test-unit test-integration test-molecule test-fleet test-cuda-cpu vllm-venv
+.PHONY: help venv collections deploy teardown lint test test-deps test-host test-unit test-integration test-molecule test-fleet test-systemd test-cuda-cpu vllm-venv
 
 help:
 	@echo "make deploy    - bootstrap .venv + collections, run ansible-playbook site.yml (INVENTORY=$(INVENTORY))"
@@ -65,13 +65,17 @@ lint: collections
 test-unit: venv
 	$(BIN)/pytest connector/tests -m "not integration and not e2e" -q --ignore=connector/tests/with_vllm
 
-# Both scenarios: default (the whole site on this host), then fleet (four network-namespace
-# hosts; it refuses to start while a site of another inventory runs here).
+# The three scenarios: default (the whole site on this host), fleet (four network-namespace
+# hosts; it refuses to start while a site of another inventory runs here) and systemd (two
+# systemd-nspawn containers with systemd as PID 1: Debian 13 with Ceph Reef, Debian 12 serving).
 test-molecule: collections
 	$(BIN)/molecule test --all
 
 test-fleet: collections
 	$(BIN)/molecule test -s fleet
+
+test-systemd: collections
+	$(BIN)/molecule test -s systemd
 
 test-integration: collections vllm-venv
 	$(BIN)/pytest -m "integration or e2e" --ignore=connector/tests/cuda --ignore=connector/tests/with_vllm
@@ -119,7 +123,8 @@ test-host:
 	fi
 
 # What CI runs, in the order that shares the most: the fleet first (it needs this host free of
-# the embedded default's site), then the embedded default's whole site (converge, idempotence,
+# the embedded default's site), the systemd containers (they share nothing with this host's
+# site, but the fleet's serving venv), then the embedded default's whole site (converge, idempotence,
 # testinfra) left running, so that pytest's integration and e2e tests use its Ceph instead of
 # deploying their own, then its teardown (unless `make deploy` had left a site up: then it
 # stays), whatever came before. pytest runs four times: the tests that need no server (unit
@@ -138,6 +143,7 @@ test: test-host test-deps
 	phase() { now=$$(date +%s); printf '%-28s %5d s\n' "$$1" $$((now - t)) >>$(PHASES); t=$$now; }; \
 	$(MAKE) --no-print-directory lint || rc=1; phase lint; \
 	if [ $$rc = 0 ]; then $(MAKE) --no-print-directory test-fleet || rc=1; phase "fleet scenario"; fi; \
+	if [ $$rc = 0 ]; then $(MAKE) --no-print-directory test-systemd || rc=1; phase "systemd scenario"; fi; \
 	if [ $$rc = 0 ]; then $(MAKE) --no-print-directory vllm-venv || rc=1; phase "vLLM venv"; fi; \
 	if [ $$rc = 0 ]; then $(BIN)/molecule test -s default --destroy never || rc=1; phase "default scenario"; fi; \
 	if [ $$rc = 0 ]; then \

@@ -1,0 +1,6 @@
+"""The scenarios' shared test helpers (molecule/shared) on the import path."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "shared"))
