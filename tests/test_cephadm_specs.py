@@ -3,7 +3,8 @@
 Ceph's own spec classes (Debian's python3-ceph-common, Pacific, under /usr/bin/python3) judge the
 rgw + ingress pair; Pacific does not know the Tentacle rgw concentrator, so that variant gets
 the project's schema check (roles/ceph_rgw/library/ceph_orch_spec.py). `ceph orch apply` itself
-cannot run here (no cephadm)."""
+needs a running orchestrator: none runs in CI yet (docs/cephadm.md has the module's first run
+against one, by hand)."""
 
 from __future__ import annotations
 
@@ -196,3 +197,35 @@ def test_module_fails_the_play_on_an_invalid_spec() -> None:
     )
     assert done.returncode != 0
     assert "Realm specified but no zone specified" in done.stdout
+
+
+# What Reef 18.2.7's `ceph orch ls --service_name NAME --export --format json` printed against a
+# running cephadm orchestrator (docs/cephadm.md, first probe): an unknown service is a line of
+# text, not JSON, with exit status 0.
+@pytest.mark.parametrize(
+    ("out", "specs"),
+    [
+        ("\nNo services reported\n", []),
+        ("", []),
+        (
+            '\n[{"placement": {"hosts": ["cephadm1"]}, "service_id": "r1",'
+            ' "service_name": "rgw.r1", "service_type": "rgw",'
+            ' "spec": {"rgw_frontend_port": 8000}}]\n',
+            [
+                {
+                    "placement": {"hosts": ["cephadm1"]},
+                    "service_id": "r1",
+                    "service_name": "rgw.r1",
+                    "service_type": "rgw",
+                    "spec": {"rgw_frontend_port": 8000},
+                }
+            ],
+        ),
+        ("Error EINVAL: something else", None),
+        ('{"not": "a list"}', None),
+    ],
+)
+def test_exported_specs_reads_what_reef_prints(
+    out: str, specs: list[dict[str, Any]] | None
+) -> None:
+    assert ceph_orch_spec.exported_specs(out) == specs

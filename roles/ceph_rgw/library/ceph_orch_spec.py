@@ -144,6 +144,20 @@ def ceph_errors(doc: dict[str, Any]) -> list[str] | None:
     return []
 
 
+def exported_specs(out: str) -> list[dict[str, Any]] | None:
+    """The specs `ceph orch ls --service_name NAME --export --format json` printed, or None when
+    its output is neither JSON nor the no-such-service answer. Reef prints "No services reported"
+    (not JSON) for a service it does not hold, even with `--format json`, and exits 0."""
+    text = out.strip()
+    if not text or text == "No services reported":
+        return []
+    try:
+        docs = json.loads(text)
+    except ValueError:
+        return None
+    return docs if isinstance(docs, list) else None
+
+
 def differs(want: Any, have: Any) -> bool:
     """True when a setting of `want` is missing or different in `have` (the exported spec may
     carry defaults the inventory does not set)."""
@@ -176,7 +190,9 @@ def main() -> None:
         )
         if rc != 0:
             module.fail_json(msg=f"`ceph orch ls --service_name {name}` failed: {err.strip()}")
-        current = json.loads(out or "[]")
+        current = exported_specs(out)
+        if current is None:
+            module.fail_json(msg=f"`ceph orch ls --service_name {name}` printed: {out.strip()}")
         if current and not differs(doc, current[0]):
             continue
         applied.append(name)
