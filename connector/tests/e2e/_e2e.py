@@ -94,9 +94,14 @@ class S3Target:
             # a lookup's HEAD now and then in 5 to 20 s (its own log's latency; the OSD's ops
             # all took under 1 s), most often the first of a restarted server: with 5 s the
             # request went on without the remote tier and the test saw 0 hits (CI 2026-12-07).
-            # A HEAD waits at most blocking_timeout_secs, so both. The outage tests set their own.
-            "lookup_timeout_secs": 30.0,
-            "blocking_timeout_secs": 30.0,
+            # And now and then every process of the machine stops for about half a minute (no
+            # log line of any daemon, haproxy's checks included; the monitor then logs "mon
+            # delay of 34.7 seconds"): with 30 s a lookup sent just before timed out as the
+            # machine resumed, and its HEAD was answered in 1 s (README-order run, 2026-12-07
+            # 13:27). A HEAD waits at most blocking_timeout_secs, so both. The outage tests set
+            # their own.
+            "lookup_timeout_secs": 120.0,
+            "blocking_timeout_secs": 120.0,
         }
         values.update(extra)
         return values
