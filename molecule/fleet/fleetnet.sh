@@ -107,7 +107,7 @@ down() {
     for host in "${hosts[@]}"; do
         local ns
         ns=$(ns_of "$host")
-        if ip netns list | grep -qx "$ns\( .*\)\?"; then
+        if netns_exists "$ns"; then
             stop_namespace "$ns"
             ip netns del "$ns"
             note "removed namespace $ns"

@@ -12,11 +12,16 @@ bridge_up() {
     ip link set "$BRIDGE" up
 }
 
+# netns_exists NS: the namespace is there (`ip netns list` may append "(id: N)").
+netns_exists() {
+    ip netns list | grep -qx "$1\( .*\)\?"
+}
+
 # netns_up NS VETH IFNAME ADDR: namespace NS with interface IFNAME at ADDR/24 inside, its peer
 # VETH on the bridge, a default route through this machine (idempotent).
 netns_up() {
     local ns=$1 veth=$2 ifname=$3 addr=$4
-    ip netns list | grep -qx "$ns\( .*\)\?" && return 0
+    netns_exists "$ns" && return 0
     # A namespace removed while a process (a zombie) still held it keeps its veth.
     ip link del "$veth" 2>/dev/null && note "removed the stale $veth"
     ip netns add "$ns"

@@ -188,7 +188,7 @@ down() {
                 fi
             done <"$dir/binds"
         fi
-        if ip netns list | grep -qx "$ns\( .*\)\?"; then
+        if netns_exists "$ns"; then
             ip netns del "$ns"
             note "removed namespace $ns"
         fi

@@ -224,18 +224,26 @@ def test_a_rebooted_host_comes_back_and_serves_its_first_request_from_the_cache(
     assert chunk_objects() > 0
 
 
+@cache
+def rgw_credentials() -> tuple[str, str]:
+    """The RGW user's access and secret key, from the profile the site wrote for the serving
+    user."""
+    home = server().fact["user_home"]
+    creds = configparser.ConfigParser()
+    creds.read_string(host(SERVING).file(f"{home}/.aws/credentials").content_string)
+    return creds.get("kvtier", "aws_access_key_id"), creds.get("kvtier", "aws_secret_access_key")
+
+
 def chunk_objects() -> int:
     import boto3
     from botocore.config import Config
 
-    home = server().fact["user_home"]
-    creds = configparser.ConfigParser()
-    creds.read_string(host(SERVING).file(f"{home}/.aws/credentials").content_string)
+    access_key, secret_key = rgw_credentials()
     client = boto3.client(
         "s3",
         endpoint_url=f"http://{address(STORAGE)}:7480",
-        aws_access_key_id=creds.get("kvtier", "aws_access_key_id"),
-        aws_secret_access_key=creds.get("kvtier", "aws_secret_access_key"),
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
         region_name="default",
         config=Config(s3={"addressing_style": "path"}),
     )
@@ -303,10 +311,7 @@ def test_a_unit_without_a_restart_policy_stays_down_after_sigkill() -> None:
 def test_no_unit_journal_holds_a_secret() -> None:
     """The RGW user's secret key and the serving API key, as the hosts hold them, appear in no
     journal of either host (Ansible modules log their arguments there on systemd hosts)."""
-    home = server().fact["user_home"]
-    creds = configparser.ConfigParser()
-    creds.read_string(host(SERVING).file(f"{home}/.aws/credentials").content_string)
-    secrets = {"RGW secret key": creds.get("kvtier", "aws_secret_access_key")}
+    secrets = {"RGW secret key": rgw_credentials()[1]}
     if server().api_key:
         secrets["vLLM API key"] = server().api_key
     for name in (STORAGE, SERVING):
